@@ -1,0 +1,1 @@
+"""Pluggable implementations behind mooncake's contracts, found by name through `mooncake.registry`."""

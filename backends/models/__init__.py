@@ -1,0 +1,1 @@
+"""Model runners (the `mooncake.engine.runner.ModelRunner` contract)."""

@@ -1,0 +1,168 @@
+"""Our forward pass for the Llama family (Llama, SmolLM, Qwen2) over the paged KV cache.
+
+RMSNorm, RoPE with the config's scaling, grouped-query attention, SwiGLU, tied embeddings and optional
+q/k/v biases (Qwen2). All tokens of a step go through the dense layers as one matrix; attention runs once
+for all decode tokens (padded, masked) and once per prefill chunk. Weights are fused at load (q|k|v and
+gate|up) so a layer is four matmuls."""
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from mooncake.engine.kv_cache import KVSpec
+from mooncake.engine.runner import ForwardBatch, ModelRunner
+from mooncake.errors import ModelError, UnsupportedModelError
+
+
+class LlamaRunner(ModelRunner):
+    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype):
+        from transformers import AutoConfig
+
+        self.device, self.dtype = device, dtype
+        config = AutoConfig.from_pretrained(model_dir)
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.vocab_size = config.vocab_size
+        self.max_position_embeddings = config.max_position_embeddings
+        self.kv_spec = KVSpec(self.num_layers, self.num_kv_heads, self.head_dim)
+        self.eos_token_ids = _eos_ids(model_dir, config)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"{model_dir}: hidden_act {config.hidden_act!r}, only silu is supported")
+        self._load_weights(model_dir, config)
+        self.cos, self.sin = _rope_tables(config, self.head_dim, self.max_position_embeddings, device, dtype)
+
+    def _load_weights(self, model_dir: Path, config) -> None:
+        weights: dict[str, torch.Tensor] = {}
+        for file in sorted(Path(model_dir).glob("*.safetensors")):
+            weights.update(load_file(str(file)))
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            tensor = weights.pop(name, None)
+            if tensor is None and required:
+                raise ModelError(f"{model_dir}: weight '{name}' is missing")
+            return None if tensor is None else tensor.to(device=self.device, dtype=self.dtype)
+
+        self.embed = take("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
+            biases = [take(p + f"self_attn.{n}_proj.bias", required=False) for n in "qkv"]
+            self.layers.append({
+                "ln1": take(p + "input_layernorm.weight"),
+                "wqkv": torch.cat([q, k, v]),
+                "bqkv": torch.cat(biases) if all(b is not None for b in biases) else None,
+                "wo": take(p + "self_attn.o_proj.weight"),
+                "bo": take(p + "self_attn.o_proj.bias", required=False),
+                "ln2": take(p + "post_attention_layernorm.weight"),
+                "wgu": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                "wd": take(p + "mlp.down_proj.weight"),
+            })
+        self.norm = take("model.norm.weight")
+        lm_head = take("lm_head.weight", required=False)
+        self.lm_head = self.embed if lm_head is None else lm_head
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.intermediate = self.layers[0]["wgu"].shape[0] // 2 if self.layers else 0
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+        n = batch.input_ids.shape[0]
+        hidden = F.embedding(batch.input_ids, self.embed)
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [n, head_dim]
+        for layer_id, w in enumerate(self.layers):
+            x = _rms_norm(hidden, w["ln1"], self.eps)
+            qkv = F.linear(x, w["wqkv"], w["bqkv"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = _rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+            k = _rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+            k_cache, v_cache = kv[layer_id, 0], kv[layer_id, 1]
+            k_cache.index_copy_(0, batch.slot_mapping, k)
+            v_cache.index_copy_(0, batch.slot_mapping, v.view(n, self.num_kv_heads, self.head_dim))
+            attn = self._attention(batch, q, k_cache, v_cache)
+            hidden = hidden + F.linear(attn.view(n, self.q_size), w["wo"], w["bo"])
+            x = _rms_norm(hidden, w["ln2"], self.eps)
+            gate, up = F.linear(x, w["wgu"]).split(self.intermediate, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, w["wd"])
+        last = _rms_norm(hidden[batch.logits_indices], self.norm, self.eps)
+        return F.linear(last, self.lm_head).float()
+
+    def _attention(self, batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)
+        nd = batch.num_decode
+        if nd:
+            # [nd, max_ctx, kvh, d] -> [nd, kvh, max_ctx, d]; the query's heads are grouped per KV head
+            # ([nd, kvh, group, d]) so GQA needs no repeat of K and V.
+            slots = batch.decode_context_slots
+            k = k_cache[slots].transpose(1, 2)
+            v = v_cache[slots].transpose(1, 2)
+            qd = q[:nd].view(nd, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode_mask)
+            out[:nd] = o.reshape(nd, self.num_heads, self.head_dim)
+        for span in batch.prefills:
+            qp = q[span.start:span.start + span.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, h, n, d]
+            k = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, d]
+            v = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
+            ctx = k.shape[2]
+            if ctx == span.num_tokens:
+                o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, enable_gqa=True)
+            else:  # a later chunk: every query also sees the ctx - n tokens before the chunk
+                rows = torch.arange(span.num_tokens, device=q.device)[:, None] + (ctx - span.num_tokens)
+                mask = torch.arange(ctx, device=q.device)[None, :] <= rows
+                o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, enable_gqa=True)
+            out[span.start:span.start + span.num_tokens] = o[0].transpose(0, 1)
+        return out
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as the reference implementation (normalise in float32, then scale).
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE; x is [n, heads, d], cos/sin are [n, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _rope_tables(config, head_dim: int, max_positions: int, device, dtype):
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
+            raise UnsupportedModelError(f"RoPE scaling type {rope_type!r} is not supported")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(device, dtype), (emb.sin() * scaling).to(device, dtype)
+
+
+def _eos_ids(model_dir: Path, config) -> tuple[int, ...]:
+    ids: set[int] = set()
+    sources = [getattr(config, "eos_token_id", None)]
+    gen_file = Path(model_dir) / "generation_config.json"
+    if gen_file.exists():
+        sources.append(json.loads(gen_file.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return tuple(sorted(ids))

@@ -1,0 +1,93 @@
+"""The `mooncake` command: `generate`, and `model fetch|list`. Serving roles join here later.
+
+Every deliberate error (`MooncakeError`) becomes one line on stderr and exit status 1, no traceback."""
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from mooncake.errors import MooncakeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="mooncake: KVCache-centric disaggregated LLM serving.")
+model_app = typer.Typer(no_args_is_help=True, help="Fetch and list models.")
+app.add_typer(model_app, name="model")
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
+    model: str = typer.Option(None, "--model", "-m",
+                              help="Catalog name (see `mooncake model list`) or a local Hugging Face "
+                                   "directory of a Llama-family model. Default: the config's engine.model."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user turn in the chat template."),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k likeliest tokens; 0 is off."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, "
+                                 "prompt_tokens, completion_tokens, ttft_s, tokens_per_s."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file ([engine] table)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Override engine.device (cpu, cuda)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Override engine.dtype."),
+):
+    """Generate a completion for one prompt with the local engine."""
+    from mooncake.config import load_config
+    from mooncake.engine import LLMEngine, SamplingParams
+    from mooncake.text import decode_completion, encode_prompt
+
+    overrides = {f"engine.{k}": v for k, v in (("model", model), ("device", device), ("dtype", dtype)) if v}
+    cfg = load_config(config, overrides)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop=tuple(stop))
+    engine = LLMEngine(cfg.engine)
+    prompt_ids = encode_prompt(engine.tokenizer, prompt, chat=chat)
+    (done,) = engine.generate([prompt_ids], params)
+    text = decode_completion(engine.tokenizer, done.token_ids, params.stop)
+    decode_s = done.total_s - done.ttft_s
+    tokens_per_s = (len(done.token_ids) - 1) / decode_s if len(done.token_ids) > 1 and decode_s > 0 else 0.0
+    if as_json:
+        print(json.dumps({"text": text, "token_ids": done.token_ids, "prompt_tokens": done.num_prompt_tokens,
+                          "completion_tokens": len(done.token_ids), "finish_reason": done.finish_reason,
+                          "ttft_s": round(done.ttft_s, 4), "tokens_per_s": round(tokens_per_s, 2)}))
+    else:
+        print(text)
+        print(f"[{done.num_prompt_tokens} prompt + {len(done.token_ids)} completion tokens, "
+              f"finish {done.finish_reason}, TTFT {done.ttft_s:.3f} s, {tokens_per_s:.1f} tokens/s]",
+              file=sys.stderr)
+
+
+@model_app.command("fetch")
+def model_fetch(name: str = typer.Argument("smollm2-135m-instruct", help="Catalog model name.")):
+    """Download and convert a catalog model once into $MOONCAKE_HOME (default ~/.cache/mooncake);
+    prints its directory. Safe to interrupt and re-run."""
+    from mooncake.models.fetch import fetch_model
+    print(fetch_model(name))
+
+
+@model_app.command("list")
+def model_list():
+    """The models mooncake knows by name, and whether each is fetched."""
+    from mooncake.models.catalog import CATALOG
+    from mooncake.models.fetch import is_fetched
+    for name, entry in sorted(CATALOG.items()):
+        state = "fetched" if is_fetched(name) else "not fetched"
+        print(f"{name:24} {state:12} {entry.description}")
+
+
+def main() -> None:
+    from mooncake.logs import setup_logging
+    setup_logging()
+    try:
+        app()
+    except MooncakeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

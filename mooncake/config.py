@@ -1,0 +1,122 @@
+"""Configuration as data: frozen dataclasses loaded from TOML; an unknown or mistyped key is a
+`ConfigError` that names it (e.g. `engine.blok_size`)."""
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mooncake.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The model runner and its paged KV cache (one per prefill or decode instance)."""
+
+    model: str = "smollm2-135m-instruct"  # catalog name or a local Hugging Face directory
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
+    dtype: str = "float32"
+    block_size: int = 64  # tokens per KV block, system-wide
+    kv_cache_bytes: int = 1 << 30  # size of the paged KV pool; ignored when num_kv_blocks > 0
+    num_kv_blocks: int = 0
+    prefill_chunk: int = 512  # tokens of one sequence's prefill computed per step
+    max_num_batched_tokens: int = 2048  # per-step token budget (decode tokens + prefill chunks)
+    max_num_seqs: int = 64  # sequences running at once
+    enable_prefix_cache: bool = True
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPES, "engine.dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(self.device == "cpu" or self.device.startswith("cuda"), "engine.device",
+               f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for key in ("block_size", "prefill_chunk", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes"):
+            _check(getattr(self, key) > 0, f"engine.{key}", "must be > 0")
+        for key in ("num_kv_blocks", "max_model_len", "num_threads"):
+            _check(getattr(self, key) >= 0, f"engine.{key}", "must be >= 0")
+        _check(self.max_num_batched_tokens >= self.max_num_seqs, "engine.max_num_batched_tokens",
+               "must be >= engine.max_num_seqs so every running sequence can decode each step")
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """The whole file. Sections for the serving roles join here as they are built."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+def _check(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' {why}")
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> MooncakeConfig:
+    """Load a TOML file (or the defaults when `path` is None), then apply `overrides`
+    given as {"section.key": value}."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for dotted, value in (overrides or {}).items():
+        *parents, leaf = dotted.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return from_dict(MooncakeConfig, data)
+
+
+def from_dict(cls, data: dict[str, Any], prefix: str = ""):
+    """Build dataclass `cls` from a dict, recursing into nested dataclasses; strict about keys and types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}' must be a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown config key '{dotted}' (known here: {known})")
+        kwargs[key] = _coerce(hints[key], value, dotted)
+    return cls(**kwargs)
+
+
+def _coerce(hint, value, dotted: str):
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, dotted + ".")
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _coerce(option, value, dotted)
+            except ConfigError:
+                continue
+        raise ConfigError(f"config key '{dotted}' has the wrong type: {value!r}")
+    if hint is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"config key '{dotted}' must be empty")
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{dotted}' must be a list, got {value!r}")
+        (item,) = typing.get_args(hint)[:1]
+        items = [_coerce(item, v, f"{dotted}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if hint in (int, float, str, bool):
+        if type(value) is not hint:
+            raise ConfigError(f"config key '{dotted}' must be {hint.__name__}, got {value!r}")
+        return value
+    return value

@@ -1,0 +1,252 @@
+"""LLMEngine: requests in, tokens out. `step()` is schedule -> run -> postprocess.
+
+Also the KV hand-off points: `export_kv()` gives a sequence's full blocks as payloads (all layers or one
+layer), and `add_request(kv_payloads=...)` imports such payloads so a sequence resumes in this engine."""
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from mooncake.config import EngineConfig
+from mooncake.engine.batch import build_batch
+from mooncake.engine.block_pool import BlockPool
+from mooncake.engine.kv_cache import PagedKVCache
+from mooncake.engine.sampler import sample
+from mooncake.engine.sampling import SamplingParams
+from mooncake.engine.scheduler import Scheduler
+from mooncake.engine.sequence import Sequence
+from mooncake.errors import InvalidRequestError, KVPayloadError
+from mooncake.hashing import hash_block, hash_blocks, make_namespace
+from mooncake.kv_payload import KVPayload
+from mooncake.models import resolve_model
+from mooncake.registry import load_backend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request, as `generate()` returns it."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    ttft_s: float
+    total_s: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequestError(f"engine.device is {config.device!r} but this torch build sees no CUDA device")
+        self.dtype = getattr(torch, config.dtype)
+        self.model = resolve_model(config.model)
+        runner_cls = load_backend("models", self.model.config["model_type"])
+        self.runner = runner_cls(self.model.path, self.device, self.dtype)
+        self.block_size = config.block_size
+        self.namespace = make_namespace(self.model.model_id, self.block_size)
+        self.max_model_len = min(config.max_model_len or self.runner.max_position_embeddings,
+                                 self.runner.max_position_embeddings)
+        num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_bytes // self.runner.kv_spec.block_bytes(self.block_size, self.dtype))
+        self.kv_cache = PagedKVCache(self.runner.kv_spec, num_blocks, self.block_size, self.dtype, self.device)
+        self.pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(config, self.pool)
+        self.seqs: dict[str, Sequence] = {}
+        self._tokenizer = None
+        log.info("engine ready: model %s (%s), %d KV blocks of %d tokens on %s/%s",
+                 config.model, self.model.model_id, num_blocks, self.block_size, self.device, config.dtype)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model.path)
+        return self._tokenizer
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, kv_payloads: list[KVPayload] = (),
+                    keep_kv: bool = False) -> str:
+        """Queue a request. `kv_payloads` (from another engine's `export_kv`) supply leading blocks of the
+        prompt; a payload that fails verification or does not match the prompt's hashes is a miss.
+        With `keep_kv` the request's blocks outlive its finish, for `export_kv`, until `pop_completion`
+        or `abort` (how a prefill instance holds KV until it is sent)."""
+        params = params or SamplingParams()
+        self._validate(prompt_token_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        generator = None
+        if not params.is_greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        seq = Sequence(seq_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                       generator=generator, keep_kv=keep_kv)
+        seq.block_hashes = hash_blocks(seq.prompt_token_ids, self.block_size, self.namespace)
+        if kv_payloads:
+            self._import(seq, kv_payloads)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free every block it holds; unknown ids are ignored."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return
+        if seq.is_finished:
+            self.scheduler.release(seq)
+        else:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        batch, sampled = build_batch(scheduled, self.block_size, self.device)
+        logits = self.runner.forward(batch, self.kv_cache.kv)
+        self.scheduler.on_computed(scheduled)
+        return self._postprocess(sampled, sample(logits, sampled))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
+        """Run prompts to completion together (continuous batching); results in prompt order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        while self.has_unfinished():
+            self.step()
+        return [self.pop_completion(i) for i in ids]
+
+    def pop_completion(self, request_id: str) -> Completion:
+        """The finished request's result; frees any blocks it kept."""
+        seq = self.seqs.get(request_id)
+        if seq is None or not seq.is_finished:
+            raise InvalidRequestError(f"request {request_id!r} is unknown or not finished")
+        del self.seqs[request_id]
+        self.scheduler.release(seq)
+        now = time.perf_counter()
+        return Completion(request_id=request_id, token_ids=list(seq.output_token_ids),
+                          finish_reason=seq.finish_reason, num_prompt_tokens=len(seq.prompt_token_ids),
+                          num_cached_tokens=seq.num_cached_tokens,
+                          ttft_s=(seq.first_token_s or now) - seq.arrival_s, total_s=now - seq.arrival_s)
+
+    # -- KV export / import ----------------------------------------------------------------------
+
+    def export_kv(self, request_id: str, layer: int | None = None) -> list[KVPayload]:
+        """Payloads of the request's computed full blocks, in prefix order (one layer if `layer` is set)."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            raise InvalidRequestError(f"unknown request id {request_id!r}")
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        return [self.kv_cache.export_block(seq.block_table[i], seq.block_hashes[i], self.namespace, layer)
+                for i in range(num_full)]
+
+    def _import(self, seq: Sequence, payloads: list[KVPayload]) -> None:
+        by_hash: dict[int, dict] = {}
+        for p in payloads:
+            by_hash.setdefault(p.block_hash, {})[p.layer] = p
+        num_layers = self.runner.kv_spec.num_layers
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for block_hash in seq.block_hashes[:max_blocks]:
+            parts = by_hash.get(block_hash, {})
+            chosen = [parts[None]] if None in parts else [parts.get(layer) for layer in range(num_layers)]
+            if any(p is None for p in chosen):
+                break  # the chain stops at the first missing block
+            block = self.pool.match_prefix([block_hash])  # already cached here: reuse it
+            if block:
+                self.pool.acquire(block)
+            else:
+                block = self.pool.allocate(1)
+                if block is None:
+                    break
+                try:
+                    for p in chosen:
+                        self.kv_cache.import_block(block[0], p, self.namespace)
+                except KVPayloadError as exc:
+                    log.warning("request %s: imported KV rejected, recomputing from there: %s", seq.seq_id, exc)
+                    self.pool.release(block)
+                    break
+                self.pool.register(block[0], block_hash)
+            seq.block_table.extend(block)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        seq.num_registered_blocks = len(seq.block_table)
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(f"the prompt has {n} tokens; the context length is {self.max_model_len}")
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context length "
+                f"{self.max_model_len}; ask for at most {self.max_model_len - n} tokens")
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        blocks_needed = -(-(n + params.max_tokens) // self.block_size)
+        if blocks_needed > self.pool.num_blocks:
+            raise InvalidRequestError(f"the request needs {blocks_needed} KV blocks; the cache has "
+                                      f"{self.pool.num_blocks} (raise engine.kv_cache_bytes)")
+
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+        outputs, now = [], time.perf_counter()
+        for seq, token in zip(seqs, tokens):
+            seq.output_token_ids.append(token)
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            if seq.num_tokens % self.block_size == 0:  # a block just filled: extend the hash chain
+                parent = seq.block_hashes[-1] if seq.block_hashes else 0
+                seq.block_hashes.append(hash_block(parent, seq.token_ids[-self.block_size:], self.namespace))
+            reason = self._finish_reason(seq, token)
+            if reason:
+                self.scheduler.finish(seq, reason, free=not seq.keep_kv)
+            outputs.append(RequestOutput(seq.seq_id, [token], reason is not None, reason,
+                                         len(seq.prompt_token_ids), seq.num_cached_tokens))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if (token in params.stop_token_ids) or (not params.ignore_eos and token in self.runner.eos_token_ids):
+            return "stop"
+        if params.stop and self._matches_stop(seq):
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _matches_stop(self, seq: Sequence) -> bool:
+        # Decode a window wide enough to hold the longest stop string that could end in the new token.
+        window = max(len(s) for s in seq.params.stop) + 8
+        text = self.tokenizer.decode(seq.output_token_ids[-window:], skip_special_tokens=False)
+        for stop in seq.params.stop:
+            if stop in text:
+                seq.matched_stop = stop
+                return True
+        return False

@@ -1,0 +1,49 @@
+"""The model-runner contract: what the engine asks of a model backend (backends/models/).
+
+Caller: `LLMEngine.step()` calls `forward()` once per step with a `ForwardBatch` that mixes decode tokens
+and prefill chunks of many sequences; the runner writes their new KV into the paged cache and returns
+logits for the tokens listed in `logits_indices`. `kv_spec` sizes the cache at start-up."""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from mooncake.engine.kv_cache import KVSpec
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """A run of `num_tokens` consecutive tokens of one sequence (a prefill chunk) in the flat batch."""
+
+    start: int  # offset in the flat batch
+    num_tokens: int
+    context_slots: torch.Tensor  # [context_len] cache slots of all its tokens so far, new ones included
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One step's work as plain tensors; the flat token order is decode tokens first, then prefill spans."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens] where each token's new KV goes
+    num_decode: int  # the first num_decode tokens each belong to a different sequence
+    decode_context_slots: torch.Tensor | None  # [num_decode, max_context] padded context slots
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_context] True where a slot is real
+    prefills: tuple[PrefillSpan, ...]
+    logits_indices: torch.Tensor  # [num_sampled] flat indices whose logits are returned
+
+
+class ModelRunner(ABC):
+    """A model forward pass over the paged KV cache."""
+
+    kv_spec: KVSpec
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+        """Write the batch's new KV into `kv` ([layers, 2, slots, kv_heads, head_dim]) and return
+        float32 logits [len(batch.logits_indices), vocab_size]."""

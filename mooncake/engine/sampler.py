@@ -1,0 +1,30 @@
+"""Turns logits into next tokens: greedy rows in one argmax, sampled rows each with their own RNG."""
+
+import torch
+
+from mooncake.engine.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """logits: float32 [len(seqs), vocab]; returns one token id per sequence."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, seq in enumerate(seqs):
+        if not seq.params.is_greedy:
+            tokens[i] = _sample_one(logits[i], seq)
+    return tokens
+
+
+def _sample_one(logits: torch.Tensor, seq: Sequence) -> int:
+    params = seq.params
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=seq.generator).item())

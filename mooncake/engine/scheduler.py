@@ -1,0 +1,122 @@
+"""Continuous batching: each step picks which sequences compute how many tokens, under a token budget.
+
+Running sequences go first (a decoding one takes 1 token, one still in prefill a chunk), then waiting
+sequences are admitted in arrival order while budget, sequence slots and free blocks last. On admission
+a sequence reuses the longest run of its leading blocks found in the local prefix cache. When blocks run
+out, the newest running sequence is preempted: its blocks are freed (they stay findable by hash) and it
+is recomputed later."""
+
+from collections import deque
+
+from mooncake.config import EngineConfig
+from mooncake.engine.batch import ScheduledSeq
+from mooncake.engine.block_pool import BlockPool
+from mooncake.engine.sequence import Sequence, SeqStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: BlockPool):
+        self.block_size = config.block_size
+        self.prefill_chunk = config.prefill_chunk
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.enable_prefix_cache = config.enable_prefix_cache
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, self.prefill_chunk, budget)
+            if n == 0:
+                i += 1
+                continue
+            if not self._reserve(seq, n):
+                # NOTE: the victim is the newest sequence; everything before index i is already scheduled.
+                self._preempt(self.running.pop())
+                continue
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table and self.enable_prefix_cache:
+                self._reuse_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, self.prefill_chunk, budget)
+            if not self._reserve(seq, n):
+                self._free(seq)  # wait for running sequences to finish; cached blocks stay findable
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return scheduled
+
+    def on_computed(self, scheduled: list[ScheduledSeq]) -> None:
+        """After the forward pass: advance each sequence and publish its newly full blocks by hash."""
+        for item in scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+            while seq.num_registered_blocks < num_full:
+                k = seq.num_registered_blocks
+                self.pool.register(seq.block_table[k], seq.block_hashes[k])
+                seq.num_registered_blocks += 1
+
+    def finish(self, seq: Sequence, reason: str, free: bool = True) -> None:
+        """Take `seq` out of scheduling; with `free=False` it keeps its blocks until `release()`."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if free:
+            self._free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks a finished sequence kept (see `finish(free=False)`)."""
+        self._free(seq)
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        # At least one token must be computed to get logits, so the last token's block is never reused.
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        blocks = self.pool.match_prefix(seq.block_hashes[:max_blocks])
+        self.pool.acquire(blocks)
+        seq.block_table = blocks
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        seq.num_registered_blocks = len(blocks)
+        seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
+
+    def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        blocks = self.pool.allocate(needed)
+        if blocks is None:
+            return False
+        seq.block_table.extend(blocks)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._free(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0

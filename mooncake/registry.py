@@ -1,0 +1,41 @@
+"""Backends by name: `module:Class` strings imported on first use, so an optional dependency is only
+needed by whoever selects that backend. Third parties add theirs through the `mooncake.backends` entry
+point group, named "<kind>.<name>" (e.g. "models.mistral")."""
+
+import importlib
+from importlib.metadata import entry_points
+
+from mooncake.errors import BackendError
+
+BACKENDS: dict[str, dict[str, str]] = {
+    "models": {
+        "llama": "backends.models.llama:LlamaRunner",
+        "qwen2": "backends.models.llama:LlamaRunner",
+    },
+}
+
+# Which pip extra brings the dependency a backend needs, for the error message.
+EXTRAS: dict[tuple[str, str], str] = {}
+
+
+def load_backend(kind: str, name: str):
+    """The class registered for `name` under `kind`; a clear BackendError if unknown or not importable."""
+    target = BACKENDS.get(kind, {}).get(name) or _entry_point(kind, name)
+    if target is None:
+        known = ", ".join(sorted(BACKENDS.get(kind, {})))
+        raise BackendError(f"unknown {kind} backend '{name}' (known: {known})")
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        extra = EXTRAS.get((kind, name))
+        hint = f": install it with pip install 'mooncake[{extra}]'" if extra else ""
+        raise BackendError(f"{kind} backend '{name}' cannot load ({exc}){hint}") from None
+    return getattr(module, attr)
+
+
+def _entry_point(kind: str, name: str) -> str | None:
+    for ep in entry_points(group="mooncake.backends"):
+        if ep.name == f"{kind}.{name}":
+            return ep.value
+    return None

@@ -1,0 +1,83 @@
+from mooncake.config import EngineConfig
+from mooncake.engine.block_pool import BlockPool
+from mooncake.engine.sampling import SamplingParams
+from mooncake.engine.scheduler import Scheduler
+from mooncake.engine.sequence import Sequence, SeqStatus
+
+
+def make(num_blocks=64, **overrides):
+    cfg = EngineConfig(block_size=4, prefill_chunk=8, max_num_batched_tokens=12, max_num_seqs=3, **overrides)
+    return Scheduler(cfg, BlockPool(num_blocks))
+
+
+def seq(name, n):
+    return Sequence(seq_id=name, prompt_token_ids=list(range(n)), params=SamplingParams())
+
+
+def run_step(sched):
+    """Schedule and pretend the forward pass ran; sampled sequences get one new token."""
+    items = sched.schedule()
+    sched.on_computed(items)
+    for item in items:
+        if item.seq.num_computed_tokens == item.seq.num_tokens:
+            item.seq.output_token_ids.append(0)
+    return {item.seq.seq_id: item.num_new_tokens for item in items}
+
+
+def test_prefill_is_chunked_and_budget_respected():
+    sched = make()
+    sched.add(seq("a", 20))
+    sched.add(seq("b", 20))
+    assert run_step(sched) == {"a": 8, "b": 4}
+    assert run_step(sched) == {"a": 8, "b": 4}
+    assert run_step(sched) == {"a": 4, "b": 8}  # a finishes its prompt; b gets the rest of the budget
+    assert run_step(sched) == {"a": 1, "b": 4}  # a decodes, b completes its prompt
+
+
+def test_new_requests_join_running_decodes():
+    sched = make()
+    sched.add(seq("a", 3))
+    run_step(sched)
+    sched.add(seq("b", 5))
+    assert run_step(sched) == {"a": 1, "b": 5}
+    assert run_step(sched) == {"a": 1, "b": 1}
+
+
+def test_max_num_seqs_limits_running():
+    sched = make()
+    for i in range(5):
+        sched.add(seq(str(i), 2))
+    assert set(run_step(sched)) == {"0", "1", "2"}
+    assert len(sched.waiting) == 2
+
+
+def test_out_of_blocks_preempts_newest_and_recomputes_it():
+    sched = make(num_blocks=4)
+    a, b = seq("a", 7), seq("b", 7)
+    sched.add(a)
+    sched.add(b)
+    assert run_step(sched) == {"a": 7, "b": 5}  # 2 blocks each: the pool is full
+    assert run_step(sched) == {"a": 1, "b": 2}
+    # a's 9th token needs a third block: b (the newest) is preempted, and cannot come back yet.
+    assert run_step(sched) == {"a": 1}
+    assert b.num_preemptions == 1 and b.status is SeqStatus.WAITING and b.block_table == []
+    assert b.output_token_ids == [0]  # what it generated is kept and recomputed, not lost
+    sched.finish(a, "stop")
+    assert run_step(sched) == {"b": 8}  # prompt + its first token, recomputed
+    assert sched.pool.num_free == 2
+
+
+def test_prefix_reuse_skips_cached_blocks_but_not_the_last_token():
+    from mooncake.hashing import hash_blocks
+    sched = make()
+    first = seq("a", 8)
+    first.block_hashes = hash_blocks(first.prompt_token_ids, 4, b"ns")
+    sched.add(first)
+    run_step(sched)
+    sched.finish(first, "stop")
+    again = seq("b", 8)
+    again.block_hashes = list(first.block_hashes)
+    sched.add(again)
+    # Both blocks are cached, but logits need one computed token: only block 0 is reused.
+    assert run_step(sched) == {"b": 4}
+    assert again.num_cached_tokens == 4

@@ -1,0 +1,51 @@
+import pytest
+
+from mooncake.config import EngineConfig, MooncakeConfig, load_config
+from mooncake.errors import ConfigError
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_file():
+    assert load_config() == MooncakeConfig()
+    assert load_config().engine.device == "cpu"
+
+
+def test_values_are_loaded(tmp_path):
+    cfg = load_config(write(tmp_path, "[engine]\nblock_size = 32\nmodel = 'tiny-llama'\n"))
+    assert cfg.engine.block_size == 32 and cfg.engine.model == "tiny-llama"
+
+
+@pytest.mark.parametrize("text, key", [
+    ("[engine]\nblok_size = 32\n", "engine.blok_size"),
+    ("[engin]\nblock_size = 32\n", "engin"),
+    ("[engine]\nblock_size = 'big'\n", "engine.block_size"),
+    ("[engine]\nblock_size = 0\n", "engine.block_size"),
+    ("[engine]\ndtype = 'int8'\n", "engine.dtype"),
+    ("engine = 3\n", "engine"),
+])
+def test_bad_keys_name_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_config(write(tmp_path, text))
+
+
+def test_overrides_apply_and_are_checked():
+    assert load_config(overrides={"engine.device": "cuda"}).engine.device == "cuda"
+    with pytest.raises(ConfigError, match="engine.nope"):
+        load_config(overrides={"engine.nope": 1})
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[engine\n"))
+
+
+def test_config_is_frozen():
+    with pytest.raises(AttributeError):
+        EngineConfig().block_size = 3
