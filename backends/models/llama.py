@@ -76,17 +76,17 @@ class LlamaRunner(ModelRunner):
     def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
         n = batch.input_ids.shape[0]
         hidden = F.embedding(batch.input_ids, self.embed)
-        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [n, head_dim]
+        cos, sin = self.cos.index_select(0, batch.positions), self.sin.index_select(0, batch.positions)
         for layer_id, w in enumerate(self.layers):
             x = _rms_norm(hidden, w["ln1"], self.eps)
             qkv = F.linear(x, w["wqkv"], w["bqkv"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = _rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
             k = _rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-            k_cache, v_cache = kv[layer_id, 0], kv[layer_id, 1]
-            k_cache.index_copy_(0, batch.slot_mapping, k)
-            v_cache.index_copy_(0, batch.slot_mapping, v.view(n, self.num_kv_heads, self.head_dim))
-            attn = self._attention(batch, q, k_cache, v_cache)
+            kv_layer = kv[layer_id]
+            kv_layer[0].index_copy_(0, batch.slot_mapping, k)
+            kv_layer[1].index_copy_(0, batch.slot_mapping, v.view(n, self.num_kv_heads, self.head_dim))
+            attn = self._attention(batch, q, kv_layer)
             hidden = hidden + F.linear(attn.view(n, self.q_size), w["wo"], w["bo"])
             x = _rms_norm(hidden, w["ln2"], self.eps)
             gate, up = F.linear(x, w["wgu"]).split(self.intermediate, dim=-1)
@@ -94,23 +94,26 @@ class LlamaRunner(ModelRunner):
         last = _rms_norm(hidden[batch.logits_indices], self.norm, self.eps)
         return F.linear(last, self.lm_head).float()
 
-    def _attention(self, batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(q)
+    def _attention(self, batch: ForwardBatch, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        """q: [n, heads, d]; kv_layer: this layer's [2, slots, kv_heads, d] cache, new tokens included."""
         nd = batch.num_decode
+        decode_out = None
         if nd:
-            # [nd, max_ctx, kvh, d] -> [nd, kvh, max_ctx, d]; the query's heads are grouped per KV head
-            # ([nd, kvh, group, d]) so GQA needs no repeat of K and V.
+            # One gather for K and V: [2, nd, ctx, kvh, d] -> [2, nd, kvh, ctx, d]. The query's heads are
+            # grouped per KV head ([nd, kvh, group, d]) so GQA needs no repeat of K and V.
             slots = batch.decode_context_slots
-            k = k_cache[slots].transpose(1, 2)
-            v = v_cache[slots].transpose(1, 2)
+            k, v = _gather(kv_layer, slots.view(-1)).view(2, *slots.shape, *kv_layer.shape[2:]).transpose(2, 3)
             qd = q[:nd].view(nd, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode_mask)
-            out[:nd] = o.reshape(nd, self.num_heads, self.head_dim)
+            decode_out = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode_mask)
+            decode_out = decode_out.reshape(nd, self.num_heads, self.head_dim)
+            if not batch.prefills:
+                return decode_out
+        out = torch.empty_like(q)
+        if decode_out is not None:
+            out[:nd] = decode_out
         for span in batch.prefills:
             qp = q[span.start:span.start + span.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, h, n, d]
-            k = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, d]
-            v = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
+            k, v = _gather(kv_layer, span.context_slots).transpose(1, 2).unsqueeze(1)  # [1, kvh, ctx, d] each
             ctx = k.shape[2]
             if ctx == span.num_tokens:
                 o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, enable_gqa=True)
@@ -120,6 +123,11 @@ class LlamaRunner(ModelRunner):
                 o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, enable_gqa=True)
             out[span.start:span.start + span.num_tokens] = o[0].transpose(0, 1)
         return out
+
+
+def _gather(kv_layer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    # NOTE: index_select is about 5x faster than advanced indexing (kv_layer[:, slots]) for row gathers.
+    return kv_layer.index_select(1, slots)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,8 +19,8 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
-def build_batch(scheduled: list[ScheduledSeq], block_size: int,
-                device: torch.device) -> tuple[ForwardBatch, list[Sequence]]:
+def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> tuple[ForwardBatch, list[Sequence]]:
     """The step's batch, and the sequences whose next token the returned logits give, in row order."""
     input_ids, positions, logits_indices, sampled = [], [], [], []
     decodes = [s for s in scheduled if s.num_new_tokens == 1]
@@ -48,7 +48,9 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int,
             padded[i, :n] = table[:n]
         pos = torch.arange(max_len)
         decode_slots = padded[:, pos // block_size] * block_size + pos % block_size
-        decode_mask = (pos[None, :] < lengths[:, None])[:, None, None, :]
+        if int(lengths.min()) < max_len:  # additive mask, built once per step for every layer
+            decode_mask = torch.zeros(len(decodes), 1, 1, max_len, dtype=dtype)
+            decode_mask.masked_fill_((pos[None, :] >= lengths[:, None])[:, None, None, :], float("-inf"))
 
     spans, offset = [], len(decodes)
     for item, table in zip(prefills, tables[len(decodes):]):

@@ -129,7 +129,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        batch, sampled = build_batch(scheduled, self.block_size, self.device)
+        batch, sampled = build_batch(scheduled, self.block_size, self.device, self.dtype)
         logits = self.runner.forward(batch, self.kv_cache.kv)
         self.scheduler.on_computed(scheduled)
         return self._postprocess(sampled, sample(logits, sampled))

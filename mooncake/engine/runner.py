@@ -30,7 +30,8 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [num_tokens] where each token's new KV goes
     num_decode: int  # the first num_decode tokens each belong to a different sequence
     decode_context_slots: torch.Tensor | None  # [num_decode, max_context] padded context slots
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_context] True where a slot is real
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_context] additive: 0 real, -inf padding;
+    # None when every decode sequence has the same context length
     prefills: tuple[PrefillSpan, ...]
     logits_indices: torch.Tensor  # [num_sampled] flat indices whose logits are returned
 

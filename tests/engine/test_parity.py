@@ -69,7 +69,7 @@ def test_b_prefix_reused_from_local_cache(setup):
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole-blocks", "layer-by-layer"])
 def test_c_exported_after_prefill_and_decoded_elsewhere(setup, layerwise):
     cfg, engine, hf = setup
-    (ids,) = prompts(engine, 1, prefix=SHARED[:200])
+    (ids,) = prompts(engine, 1, prefix=SHARED)
     # Prefill only: one token, and the KV is kept after finishing until it has been exported.
     rid = engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True), keep_kv=True)
     while engine.has_unfinished():

@@ -1,0 +1,5 @@
+"""`python -m mooncake` is the `mooncake` command."""
+
+from mooncake.cli import main
+
+main()
