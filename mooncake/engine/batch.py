@@ -29,7 +29,7 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.de
     slot_mapping = []
     for item, table in zip(decodes + prefills, tables):
         start = item.seq.num_computed_tokens
-        input_ids.extend(item.seq.token_ids[start:start + item.num_new_tokens])
+        input_ids.extend(item.seq.token_slice(start, start + item.num_new_tokens))
         item_positions = torch.arange(start, start + item.num_new_tokens)
         positions.append(item_positions)
         slot_mapping.append(_slots(table, item_positions, block_size))

@@ -18,7 +18,7 @@ from mooncake.engine.sampler import sample
 from mooncake.engine.sampling import SamplingParams
 from mooncake.engine.scheduler import Scheduler
 from mooncake.engine.sequence import Sequence
-from mooncake.errors import InvalidRequestError, KVPayloadError
+from mooncake.errors import ConfigError, InvalidRequestError, KVPayloadError
 from mooncake.hashing import hash_block, hash_blocks, make_namespace
 from mooncake.kv_payload import KVPayload
 from mooncake.models import resolve_model
@@ -59,7 +59,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidRequestError(f"engine.device is {config.device!r} but this torch build sees no CUDA device")
+            raise ConfigError(f"config key 'engine.device' is {config.device!r} but torch sees no CUDA device")
         self.dtype = getattr(torch, config.dtype)
         self.model = resolve_model(config.model)
         runner_cls = load_backend("models", self.model.config["model_type"])

@@ -52,6 +52,8 @@ def fetch_model(name: str = DEFAULT_MODEL, home: Path | None = None) -> Path:
                 from mooncake.models.tiny import build_random_model
                 build_random_model(entry.spec_path, out)
             verify_model_dir(out)
+            for file in out.iterdir():
+                file.chmod(0o644)  # some writers create 0600 files; the cache may be shared
             (out / COMPLETE_MARKER).write_text(json.dumps({"name": name}))
             if target.exists():  # a leftover from an older, unmarked layout
                 shutil.rmtree(target)
