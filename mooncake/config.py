@@ -44,10 +44,31 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class StoreConfig:
+    """The KVCache store of a cache node: a DRAM tier and an optional SSD tier."""
+
+    dram_bytes: int = 1 << 30  # preallocated arena
+    ssd_dir: str = ""  # empty: no SSD tier
+    ssd_bytes: int = 0
+    ssd_fsync: bool = True  # fsync each block file and the directory (crash safety)
+    eviction: str = "lru"  # "lru", "lfu" or "length-aware"
+    lease_s: float = 10.0  # how long a read keeps its block from eviction, at most
+
+    def __post_init__(self):
+        from mooncake.store.eviction import POLICIES
+        _check(self.dram_bytes > 0, "store.dram_bytes", "must be > 0")
+        _check(self.ssd_bytes >= 0, "store.ssd_bytes", "must be >= 0")
+        _check(not self.ssd_dir or self.ssd_bytes > 0, "store.ssd_bytes", "must be > 0 when store.ssd_dir is set")
+        _check(self.eviction in POLICIES, "store.eviction", f"must be one of {', '.join(POLICIES)}")
+        _check(self.lease_s > 0, "store.lease_s", "must be > 0")
+
+
+@dataclass(frozen=True)
 class MooncakeConfig:
     """The whole file. Sections for the serving roles join here as they are built."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
 
 
 def _check(ok: bool, key: str, why: str) -> None:

@@ -27,3 +27,7 @@ class KVPayloadError(MooncakeError):
 
 class BackendError(MooncakeError):
     """A named backend is unknown, or its optional dependency is missing."""
+
+
+class CapacityError(MooncakeError):
+    """A store cannot take a block: it is full and nothing in it may be evicted."""

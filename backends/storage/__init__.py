@@ -1,0 +1,1 @@
+"""Storage tiers for the KVCache store (the `mooncake.store.tier.StorageTier` contract)."""

@@ -1,0 +1,1 @@
+"""Trace-driven simulation: trace loading now; the discrete-event simulator joins later."""

@@ -1,0 +1,1 @@
+"""The KVCache store (cache role): DRAM and SSD tiers of prefix-keyed blocks, eviction, leases."""
