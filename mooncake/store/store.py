@@ -77,6 +77,7 @@ class KVStore:
         its prompt (for length-aware eviction). Raises CapacityError if no tier can make room."""
         if self._tier_of(key) is not None:
             return
+        self._expire_leases()
         size = len(memoryview(data).cast("B"))
         for tier in self.tiers:
             if size <= tier.capacity_bytes and self._store_in(tier, key, data, position):
