@@ -12,6 +12,14 @@ BACKENDS: dict[str, dict[str, str]] = {
         "llama": "backends.models.llama:LlamaRunner",
         "qwen2": "backends.models.llama:LlamaRunner",
     },
+    "transports": {
+        "inproc": "backends.transports.inproc:InprocTransport",
+        "tcp": "backends.transports.tcp:TcpTransport",
+    },
+    "storage": {
+        "dram": "backends.storage.dram:DramTier",
+        "ssd": "backends.storage.ssd:SsdTier",
+    },
 }
 
 # Which pip extra brings the dependency a backend needs, for the error message.

@@ -1,0 +1,1 @@
+"""Transports (the `mooncake.transfer.contract.Transport` contract)."""

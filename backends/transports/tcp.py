@@ -1,0 +1,138 @@
+"""TCP transport over ZeroMQ: a ROUTER socket serves, one DEALER socket per peer sends; blocks travel
+as zero-copy frames, many per message, and several requests may be in flight per peer (replies are
+matched by request id). A peer that does not answer by the deadline is a TransferError naming it."""
+
+import asyncio
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+
+from mooncake.transfer.contract import BlockResult, BlockService, TransferError, TransferResult, Transport, \
+    new_request_id
+from mooncake.transfer.framing import Tamper, block_frames, pack_header, unpack_header, verify_blocks
+
+log = logging.getLogger(__name__)
+
+
+class TcpTransport(Transport):
+    name = "tcp"
+
+    def __init__(self, tamper: Tamper = None, host: str = "127.0.0.1"):
+        self.tamper = tamper
+        self.host = host
+        self.ctx = zmq.asyncio.Context()
+        self.service: BlockService | None = None
+        self.address: str | None = None
+        self._server: zmq.asyncio.Socket | None = None
+        self._peers: dict[str, tuple[zmq.asyncio.Socket, asyncio.Task]] = {}
+        self._pending: dict[str, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self, service=None, address=None) -> str:
+        self.service = service
+        if service is not None:
+            self._server = self.ctx.socket(zmq.ROUTER)
+            self._server.setsockopt(zmq.LINGER, 0)
+            self._server.bind(address or f"tcp://{self.host}:*")
+            self.address = self._server.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._tasks.append(asyncio.create_task(self._serve()))
+        return self.address or ""
+
+    # -- serving ----------------------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        while True:
+            identity, *frames = await self._server.recv_multipart(copy=False)
+            try:
+                reply = self._handle(frames)
+            except Exception as exc:  # noqa: BLE001  a bad peer must not take the endpoint down
+                log.warning("tcp transport %s: bad request from a peer: %s", self.address, exc)
+                reply = [pack_header("error", "", error=f"malformed request: {exc}")]
+            await self._server.send_multipart([identity, *reply], copy=False)
+
+    def _handle(self, frames) -> list:
+        header = unpack_header(frames[0].buffer)
+        request_id, data = header["id"], [f.buffer for f in frames[1:]]
+        if header["op"] == "put":
+            if len(data) != len(header["keys"]):
+                raise ValueError(f"{len(header['keys'])} keys but {len(data)} data frames")
+            errors = []
+            for block in verify_blocks(header["keys"], header["sums"], data):
+                errors.append(self.service.put_block(block.key, block.data) if block.ok else block.error)
+            return [pack_header("put-reply", request_id, errors=errors)]
+        if header["op"] == "get":
+            found = {k: d for k in header["keys"] if (d := self.service.get_block(k)) is not None}
+            keys, _, sums, frames_out = block_frames(list(found.items()), self.tamper)
+            by_key = dict(zip(keys, zip(sums, frames_out)))
+            sums_out = [by_key[k][0] if k in by_key else None for k in header["keys"]]
+            return [pack_header("get-reply", request_id, sums=sums_out),
+                    *[by_key[k][1] if k in by_key else b"" for k in header["keys"]]]
+        raise ValueError(f"unknown op {header['op']!r}")
+
+    # -- client side ------------------------------------------------------------------------------
+
+    def _socket(self, peer: str) -> zmq.asyncio.Socket:
+        if peer not in self._peers:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(peer)
+            self._peers[peer] = (sock, asyncio.create_task(self._receive(peer, sock)))
+        return self._peers[peer][0]
+
+    async def _receive(self, peer: str, sock) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            try:
+                header = unpack_header(frames[0].buffer)
+            except ValueError as exc:
+                log.warning("tcp transport: malformed reply from %s: %s", peer, exc)
+                continue
+            future = self._pending.pop(header.get("id", ""), None)
+            if future is not None and not future.done():  # late replies after a deadline are dropped
+                future.set_result((header, [f.buffer for f in frames[1:]]))
+
+    async def _request(self, peer, request_id, frames, timeout_s):
+        future = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            await asyncio.wait_for(self._socket(peer).send_multipart(frames, copy=False), timeout_s)
+            header, data = await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferError(f"transfer {request_id} to {peer}: no answer within {timeout_s:g} s "
+                                f"(peer down or overloaded)") from None
+        finally:
+            self._pending.pop(request_id, None)
+        if header["op"] == "error":
+            raise TransferError(f"transfer {request_id} to {peer}: peer refused it: {header.get('error')}")
+        return header, data
+
+    async def send(self, peer, blocks, timeout_s, request_id=None) -> TransferResult:
+        request_id = request_id or new_request_id()
+        start = time.perf_counter()
+        keys, sizes, sums, frames = block_frames(blocks, self.tamper)
+        header, _ = await self._request(peer, request_id,
+                                        [pack_header("put", request_id, keys=keys, sums=sums), *frames], timeout_s)
+        results = [BlockResult(k, error=e) for k, e in zip(keys, header["errors"])]
+        return TransferResult(peer, request_id, results, sum(sizes), time.perf_counter() - start)
+
+    async def fetch(self, peer, keys, timeout_s, request_id=None) -> TransferResult:
+        request_id = request_id or new_request_id()
+        start = time.perf_counter()
+        header, data = await self._request(peer, request_id, [pack_header("get", request_id, keys=keys)],
+                                           timeout_s)
+        results = verify_blocks(keys, header["sums"], data)
+        return TransferResult(peer, request_id, results, sum(len(d) for d in data), time.perf_counter() - start)
+
+    async def stop(self) -> None:
+        tasks = self._tasks + [task for _, task in self._peers.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sock, _ in self._peers.values():
+            sock.close(linger=0)
+        if self._server is not None:
+            self._server.close(linger=0)
+        self._peers.clear()
+        self.ctx.term()

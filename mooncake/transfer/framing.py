@@ -1,0 +1,52 @@
+"""Wire framing shared by the message-based transports: a msgpack header frame, then one frame per
+block. Headers carry the op, the request id, keys, sizes and xxh3 checksums; the receiver of data
+verifies every block before using it.
+
+`tamper` is a fault-injection hook for tests: applied to outgoing block bytes after checksumming."""
+
+from collections.abc import Callable
+
+import msgpack
+
+from mooncake.hashing import checksum
+from mooncake.transfer.contract import BlockResult
+
+WIRE_VERSION = 1
+Tamper = Callable[[int, bytes], bytes] | None
+
+
+def pack_header(op: str, request_id: str, **fields) -> bytes:
+    return msgpack.packb({"v": WIRE_VERSION, "op": op, "id": request_id, **fields})
+
+
+def unpack_header(frame) -> dict:
+    header = msgpack.unpackb(bytes(frame))
+    if not isinstance(header, dict) or header.get("v") != WIRE_VERSION or "op" not in header:
+        raise ValueError(f"unsupported or malformed header: {header!r:.80}")
+    return header
+
+
+def block_frames(blocks: list[tuple[int, bytes | memoryview]], tamper: Tamper = None):
+    """(keys, sizes, checksums, data frames) for a list of blocks."""
+    keys, sizes, sums, frames = [], [], [], []
+    for key, data in blocks:
+        view = memoryview(data).cast("B")
+        keys.append(key)
+        sizes.append(len(view))
+        sums.append(checksum(view))
+        frames.append(tamper(key, bytes(view)) if tamper else view)
+    return keys, sizes, sums, frames
+
+
+def verify_blocks(keys, sums, frames) -> list[BlockResult]:
+    """A result per block: the data if its checksum matches, else a checksum error (data withheld)."""
+    results = []
+    for key, digest, frame in zip(keys, sums, frames):
+        view = memoryview(frame).cast("B") if not isinstance(frame, memoryview) else frame
+        if digest is None:
+            results.append(BlockResult(key, error="not found"))
+        elif checksum(view) != digest:
+            results.append(BlockResult(key, error="checksum mismatch: corrupted in transit"))
+        else:
+            results.append(BlockResult(key, data=view))
+    return results

@@ -1,0 +1,139 @@
+"""One contract suite run over every transport backend."""
+
+import asyncio
+import random
+import socket
+import time
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from mooncake.registry import load_backend
+from mooncake.transfer.contract import TransferError
+
+BACKENDS = ["inproc", "tcp"]
+
+
+class DictService:
+    def __init__(self):
+        self.blocks = {}
+
+    def put_block(self, key, data):
+        self.blocks.setdefault(key, bytes(data))
+        return None
+
+    def get_block(self, key):
+        return self.blocks.get(key)
+
+
+def flip_byte_of(target_key):
+    def tamper(key, data):
+        if key != target_key:
+            return data
+        raw = bytearray(data)
+        raw[len(raw) // 2] ^= 0x01
+        return bytes(raw)
+    return tamper
+
+
+async def pair(name, client_tamper=None, server_tamper=None):
+    cls = load_backend("transports", name)
+    server, client = cls(tamper=server_tamper), cls(tamper=client_tamper)
+    service = DictService()
+    address = await server.start(service)
+    await client.start()
+    return server, client, service, address
+
+
+def payloads():
+    rng = random.Random(1)
+    return [(k, rng.randbytes(size)) for k, size in enumerate([1, 4096, 1 << 20, 3 * (1 << 20) + 7])]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_random_payloads_round_trip_bit_exact(name):
+    async def run():
+        server, client, service, address = await pair(name)
+        try:
+            blocks = payloads()
+            sent = await client.send(address, blocks, timeout_s=10)
+            assert sent.ok and sent.num_bytes == sum(len(d) for _, d in blocks) and sent.seconds > 0
+            assert all(service.blocks[k] == d for k, d in blocks)
+            got = await client.fetch(address, [k for k, _ in blocks] + [99], timeout_s=10)
+            assert [bytes(b.data) for b in got.blocks[:-1]] == [d for _, d in blocks]
+            assert got.blocks[-1].error == "not found" and got.blocks[-1].data is None
+        finally:
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_flipped_byte_is_reported_per_block_never_returned(name):
+    async def run():
+        server, client, service, address = await pair(name, client_tamper=flip_byte_of(2),
+                                                      server_tamper=flip_byte_of(1))
+        try:
+            blocks = payloads()
+            sent = await client.send(address, blocks, timeout_s=10)
+            assert [b.ok for b in sent.blocks] == [True, True, False, True]
+            assert "checksum" in sent.blocks[2].error and 2 not in service.blocks
+            got = await client.fetch(address, [0, 1, 3], timeout_s=10)
+            assert [b.ok for b in got.blocks] == [True, False, True]
+            assert got.blocks[1].data is None and "checksum" in got.blocks[1].error
+        finally:
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())
+
+
+def dead_address(name):
+    if name == "inproc":
+        return "inproc://nobody"
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_dead_peer_is_a_clear_error_within_the_deadline(name):
+    async def run():
+        client = load_backend("transports", name)()
+        await client.start()
+        peer = dead_address(name)
+        try:
+            for call in (client.send(peer, [(1, b"x")], timeout_s=0.5, request_id="req-42"),
+                         client.fetch(peer, [1], timeout_s=0.5, request_id="req-42")):
+                t0 = time.monotonic()
+                with pytest.raises(TransferError, match=f"req-42.*{peer}|{peer}.*req-42|req-42 .*{peer}"):
+                    await call
+                assert time.monotonic() - t0 < 2.0
+        finally:
+            await client.stop()
+    asyncio.run(run())
+
+
+def test_tcp_malformed_message_gets_an_error_reply_and_serving_goes_on():
+    async def run():
+        server, client, service, address = await pair("tcp")
+        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        raw.connect(address)
+        try:
+            await raw.send_multipart([b"\x93garbage"])
+            reply = msgpack.unpackb(await asyncio.wait_for(raw.recv(), 5))
+            assert reply["op"] == "error" and "malformed" in reply["error"]
+            sent = await client.send(address, [(5, b"still serving")], timeout_s=5)
+            assert sent.ok and service.blocks[5] == b"still serving"
+        finally:
+            raw.close(linger=0)
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())
+
+
+def test_unknown_transport_is_a_clear_error():
+    from mooncake.errors import BackendError
+    with pytest.raises(BackendError, match="unknown transports backend 'rdma9'"):
+        load_backend("transports", "rdma9")
