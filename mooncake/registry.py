@@ -15,6 +15,7 @@ BACKENDS: dict[str, dict[str, str]] = {
     "transports": {
         "inproc": "backends.transports.inproc:InprocTransport",
         "tcp": "backends.transports.tcp:TcpTransport",
+        "shm": "backends.transports.shm:ShmTransport",
     },
     "storage": {
         "dram": "backends.storage.dram:DramTier",

@@ -5,7 +5,9 @@ matched by request id). A peer that does not answer by the deadline is a Transfe
 import asyncio
 import logging
 import time
+from contextlib import contextmanager
 
+import msgpack
 import zmq
 import zmq.asyncio
 
@@ -48,28 +50,38 @@ class TcpTransport(Transport):
             try:
                 reply = self._handle(frames)
             except Exception as exc:  # noqa: BLE001  a bad peer must not take the endpoint down
-                log.warning("tcp transport %s: bad request from a peer: %s", self.address, exc)
-                reply = [pack_header("error", "", error=f"malformed request: {exc}")]
+                log.warning("%s transport %s: bad request from a peer: %s", self.name, self.address, exc)
+                reply = [pack_header("error", _request_id_of(frames), error=f"malformed request: {exc}")]
             await self._server.send_multipart([identity, *reply], copy=False)
 
     def _handle(self, frames) -> list:
         header = unpack_header(frames[0].buffer)
         request_id, data = header["id"], [f.buffer for f in frames[1:]]
         if header["op"] == "put":
-            if len(data) != len(header["keys"]):
-                raise ValueError(f"{len(header['keys'])} keys but {len(data)} data frames")
-            errors = []
-            for block in verify_blocks(header["keys"], header["sums"], data):
-                errors.append(self.service.put_block(block.key, block.data) if block.ok else block.error)
+            with self._incoming(header, data) as blocks:
+                if len(blocks) != len(header["keys"]):
+                    raise ValueError(f"{len(header['keys'])} keys but {len(blocks)} blocks of data")
+                errors = []
+                for block in verify_blocks(header["keys"], header["sums"], blocks):
+                    errors.append(self.service.put_block(block.key, block.data) if block.ok else block.error)
             return [pack_header("put-reply", request_id, errors=errors)]
         if header["op"] == "get":
-            found = {k: d for k in header["keys"] if (d := self.service.get_block(k)) is not None}
-            keys, _, sums, frames_out = block_frames(list(found.items()), self.tamper)
-            by_key = dict(zip(keys, zip(sums, frames_out)))
-            sums_out = [by_key[k][0] if k in by_key else None for k in header["keys"]]
-            return [pack_header("get-reply", request_id, sums=sums_out),
-                    *[by_key[k][1] if k in by_key else b"" for k in header["keys"]]]
+            found = [(k, d) for k in header["keys"] if (d := self.service.get_block(k)) is not None]
+            fields, frames_out = self._outgoing(found, request_id)
+            return [pack_header("get-reply", request_id, **fields), *frames_out]
         raise ValueError(f"unknown op {header['op']!r}")
+
+    # How block bytes travel; shm.py overrides these two to move them through shared memory.
+
+    def _outgoing(self, blocks, request_id: str) -> tuple[dict, list]:
+        """Header fields and frames carrying `blocks`."""
+        keys, sizes, sums, frames = block_frames(blocks, self.tamper)
+        return {"keys": keys, "sums": sums}, frames
+
+    @contextmanager
+    def _incoming(self, header: dict, frames: list, keep: bool = False):
+        """The blocks' bytes, in key order: valid inside the `with`, or for good with `keep`."""
+        yield frames
 
     # -- client side ------------------------------------------------------------------------------
 
@@ -111,19 +123,30 @@ class TcpTransport(Transport):
     async def send(self, peer, blocks, timeout_s, request_id=None) -> TransferResult:
         request_id = request_id or new_request_id()
         start = time.perf_counter()
-        keys, sizes, sums, frames = block_frames(blocks, self.tamper)
-        header, _ = await self._request(peer, request_id,
-                                        [pack_header("put", request_id, keys=keys, sums=sums), *frames], timeout_s)
-        results = [BlockResult(k, error=e) for k, e in zip(keys, header["errors"])]
-        return TransferResult(peer, request_id, results, sum(sizes), time.perf_counter() - start)
+        fields, frames = self._outgoing(blocks, request_id)
+        try:
+            header, _ = await self._request(peer, request_id, [pack_header("put", request_id, **fields), *frames],
+                                            timeout_s)
+        finally:
+            self._sent(fields)
+        results = [BlockResult(k, error=e) for k, e in zip(fields["keys"], header["errors"])]
+        num_bytes = sum(len(memoryview(d).cast("B")) for _, d in blocks)
+        return TransferResult(peer, request_id, results, num_bytes, time.perf_counter() - start)
 
     async def fetch(self, peer, keys, timeout_s, request_id=None) -> TransferResult:
         request_id = request_id or new_request_id()
         start = time.perf_counter()
         header, data = await self._request(peer, request_id, [pack_header("get", request_id, keys=keys)],
                                            timeout_s)
-        results = verify_blocks(keys, header["sums"], data)
-        return TransferResult(peer, request_id, results, sum(len(d) for d in data), time.perf_counter() - start)
+        with self._incoming(header, data, keep=True) as blocks:
+            by_key = {k: (s, b) for k, s, b in zip(header["keys"], header["sums"], blocks)}
+        results = verify_blocks(keys, [by_key.get(k, (None, b""))[0] for k in keys],
+                                [by_key.get(k, (None, b""))[1] for k in keys])
+        num_bytes = sum(len(b) for _, b in by_key.values())
+        return TransferResult(peer, request_id, results, num_bytes, time.perf_counter() - start)
+
+    def _sent(self, fields: dict) -> None:
+        """Called once a send's reply is in (or it failed): free what `_outgoing` made."""
 
     async def stop(self) -> None:
         tasks = self._tasks + [task for _, task in self._peers.values()]
@@ -136,3 +159,11 @@ class TcpTransport(Transport):
             self._server.close(linger=0)
         self._peers.clear()
         self.ctx.term()
+
+
+def _request_id_of(frames) -> str:
+    """The request id of a message we could not handle, if its header at least parses."""
+    try:
+        return str(unpack_header(frames[0].buffer).get("id", ""))
+    except (ValueError, IndexError, TypeError, msgpack.UnpackException):
+        return ""

@@ -1,6 +1,7 @@
 """One contract suite run over every transport backend."""
 
 import asyncio
+import os
 import random
 import socket
 import time
@@ -13,7 +14,7 @@ import zmq.asyncio
 from mooncake.registry import load_backend
 from mooncake.transfer.contract import TransferError
 
-BACKENDS = ["inproc", "tcp"]
+BACKENDS = ["inproc", "tcp", "shm"]
 
 
 class DictService:
@@ -137,3 +138,21 @@ def test_unknown_transport_is_a_clear_error():
     from mooncake.errors import BackendError
     with pytest.raises(BackendError, match="unknown transports backend 'rdma9'"):
         load_backend("transports", "rdma9")
+
+
+def test_shm_leaves_no_shared_memory_files_behind():
+    from backends.transports.shm import SHM_DIR
+
+    def ours():
+        return {p.name for p in SHM_DIR.glob(f"mooncake-{os.getpid()}-*")}
+
+    async def run():
+        server, client, service, address = await pair("shm")
+        try:
+            await client.send(address, payloads(), timeout_s=10)
+            await client.fetch(address, [0, 1, 2, 3], timeout_s=10)
+        finally:
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())
+    assert ours() == set()
