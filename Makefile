@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench clean mooncake-te
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,7 @@ run: setup
 	$(BIN)/mooncake model fetch
 	$(BIN)/mooncake generate --chat --prompt "$(PROMPT)"
 
-test: setup
+test: setup mooncake-te
 	$(BIN)/python -m pytest
 
 bench: setup
@@ -28,3 +28,13 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Mooncake's Transfer Engine for the `mooncake` transport. Its wheel's top-level package is also named
+# `mooncake`, so it is unpacked into its own directory instead of site-packages (see
+# backends/transports/mooncake_te.py). Needs the Debian packages libibverbs1 and ibverbs-providers.
+MOONCAKE_TE := mooncake-transfer-engine-non-cuda==0.3.13.post1
+$(VENV)/mooncake-te/.installed: $(VENV)/.installed
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --target $(VENV)/mooncake-te '$(MOONCAKE_TE)'
+	touch $@
+
+mooncake-te: $(VENV)/mooncake-te/.installed

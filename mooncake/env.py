@@ -25,3 +25,12 @@ def offline_hub() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def mooncake_te_dir() -> Path:
+    """Where Mooncake's Transfer Engine wheel is unpacked (`make mooncake-te`): `$MOONCAKE_TE_DIR`, else
+    `mooncake-te/` inside the running Python environment. Kept off sys.path on purpose: the wheel's
+    top-level package is also named `mooncake`."""
+    import sys
+    configured = os.environ.get("MOONCAKE_TE_DIR")
+    return Path(configured).expanduser() if configured else Path(sys.prefix) / "mooncake-te"

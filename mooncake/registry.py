@@ -16,6 +16,7 @@ BACKENDS: dict[str, dict[str, str]] = {
         "inproc": "backends.transports.inproc:InprocTransport",
         "tcp": "backends.transports.tcp:TcpTransport",
         "shm": "backends.transports.shm:ShmTransport",
+        "mooncake": "backends.transports.mooncake_te:MooncakeTransport",
     },
     "storage": {
         "dram": "backends.storage.dram:DramTier",

@@ -14,7 +14,21 @@ import zmq.asyncio
 from mooncake.registry import load_backend
 from mooncake.transfer.contract import TransferError
 
-BACKENDS = ["inproc", "tcp", "shm"]
+BACKENDS = ["inproc", "tcp", "shm", "mooncake"]
+
+
+def available(name):
+    """Skip the `mooncake` transport where its Transfer Engine is not installed (CI requires it)."""
+    from mooncake.errors import BackendError
+    try:
+        load_backend("transports", name)
+        if name == "mooncake":
+            from backends.transports.mooncake_te import load_transfer_engine
+            load_transfer_engine()
+    except BackendError as exc:
+        if os.environ.get("MOONCAKE_REQUIRE_ALL_BACKENDS"):
+            raise
+        pytest.skip(str(exc))
 
 
 class DictService:
@@ -40,6 +54,7 @@ def flip_byte_of(target_key):
 
 
 async def pair(name, client_tamper=None, server_tamper=None):
+    available(name)
     cls = load_backend("transports", name)
     server, client = cls(tamper=server_tamper), cls(tamper=client_tamper)
     service = DictService()
@@ -100,6 +115,8 @@ def dead_address(name):
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_dead_peer_is_a_clear_error_within_the_deadline(name):
+    available(name)
+
     async def run():
         client = load_backend("transports", name)()
         await client.start()
