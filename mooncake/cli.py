@@ -62,6 +62,31 @@ def generate(
               file=sys.stderr)
 
 
+ROLES = ("conductor", "prefill", "decode", "cache")
+
+
+@app.command()
+def serve(
+    role: str = typer.Option(..., "--role", "-r", help=f"One of: {', '.join(ROLES)}."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file."),
+):
+    """Run one mooncake role until Ctrl-C or SIGTERM.
+
+    cache: a KVCache store node (the [store] and [cache] tables): blocks over the configured transport,
+    control requests and store events over ZeroMQ."""
+    from mooncake.config import load_config
+    from mooncake.errors import ConfigError
+    from mooncake.runtime import run_service
+
+    if role not in ROLES:
+        raise ConfigError(f"unknown role '{role}': choose one of {', '.join(ROLES)}")
+    cfg = load_config(config)
+    if role != "cache":
+        raise MooncakeError(f"role '{role}' is not built yet; only 'cache' runs in this version")
+    from mooncake.store.server import CacheServer
+    run_service(CacheServer(cfg))
+
+
 @model_app.command("fetch")
 def model_fetch(name: str = typer.Argument("smollm2-135m-instruct", help="Catalog model name.")):
     """Download and convert a catalog model once into $MOONCAKE_HOME (default ~/.cache/mooncake);

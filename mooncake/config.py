@@ -63,12 +63,52 @@ class StoreConfig:
         _check(self.lease_s > 0, "store.lease_s", "must be > 0")
 
 
+TRANSPORTS = ("tcp", "shm", "mooncake", "inproc")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The cache role's endpoints (`mooncake serve --role cache`); its store is the [store] table."""
+
+    node_id: str = "cache-0"
+    control_address: str = "tcp://127.0.0.1:7600"  # requests: hello, exists, match_prefix, remove, stats
+    events_address: str = "tcp://127.0.0.1:7601"  # published batches of add/evict events
+    data_address: str = ""  # where the transport listens; empty: any free loopback port
+    transport: str = "tcp"
+    event_interval_s: float = 0.05  # how often queued store events are published
+    read_lease_s: float = 5.0  # how long a block being sent to a reader stays pinned
+
+    def __post_init__(self):
+        _check(self.transport in TRANSPORTS, "cache.transport", f"must be one of {', '.join(TRANSPORTS)}")
+        for key in ("event_interval_s", "read_lease_s"):
+            _check(getattr(self, key) > 0, f"cache.{key}", "must be > 0")
+        for key in ("control_address", "events_address"):
+            _check("://" in getattr(self, key), f"cache.{key}", "must be a ZeroMQ address like tcp://127.0.0.1:7600")
+
+
+@dataclass(frozen=True)
+class CacheClientConfig:
+    """How prefill and decode reach the cache nodes."""
+
+    nodes: tuple[str, ...] = ("tcp://127.0.0.1:7600",)  # control addresses of the cache nodes
+    replica_num: int = 1  # copies of each block, on different nodes
+    timeout_s: float = 5.0  # deadline of each request
+
+    def __post_init__(self):
+        _check(len(self.nodes) > 0, "cache_client.nodes", "must name at least one cache node")
+        _check(1 <= self.replica_num <= len(self.nodes), "cache_client.replica_num",
+               f"must be between 1 and the number of nodes ({len(self.nodes)})")
+        _check(self.timeout_s > 0, "cache_client.timeout_s", "must be > 0")
+
+
 @dataclass(frozen=True)
 class MooncakeConfig:
     """The whole file. Sections for the serving roles join here as they are built."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    cache_client: CacheClientConfig = field(default_factory=CacheClientConfig)
 
 
 def _check(ok: bool, key: str, why: str) -> None:

@@ -10,7 +10,6 @@ a private name."""
 import asyncio
 import importlib.util
 import logging
-import os
 import sys
 import time
 import types
@@ -40,8 +39,6 @@ def load_transfer_engine():
     if not library.exists():
         raise BackendError(f"transport 'mooncake' needs Mooncake's Transfer Engine, not found at {library}: "
                            f"{INSTALL_HINT}")
-    # NOTE: the engine logs every segment handshake through glog at INFO; keep warnings and errors only.
-    os.environ.setdefault("GLOG_minloglevel", "1")
     package = types.ModuleType(_MODULE)
     package.__path__ = [str(directory)]
     sys.modules[_MODULE] = package

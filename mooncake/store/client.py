@@ -1,0 +1,159 @@
+"""Async client of the cache nodes, for the prefill and decode roles: `put_blocks`, `get_blocks`,
+`match_prefix`. Each block's replicas live on the `replica_num` nodes that rank highest for its key by
+rendezvous hashing, so every client agrees where a key lives without asking; a read tries those nodes
+in order and then the rest, so a block stays readable while any replica lives."""
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import xxhash
+import zmq
+import zmq.asyncio
+
+from mooncake import messages as m
+from mooncake.config import CacheClientConfig
+from mooncake.registry import load_backend
+from mooncake.transfer.contract import TransferError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Node:
+    control_address: str
+    socket: zmq.asyncio.Socket
+    lock: asyncio.Lock
+    hello: m.HelloReply | None = None
+
+    @property
+    def is_up(self) -> bool:
+        return self.hello is not None
+
+
+class CacheClient:
+    def __init__(self, config: CacheClientConfig):
+        self.config = config
+        self.ctx = zmq.asyncio.Context()
+        self.nodes: list[_Node] = []
+        self.transports: dict[str, object] = {}
+
+    async def start(self) -> None:
+        for address in self.config.nodes:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self.nodes.append(_Node(address, sock, asyncio.Lock()))
+        await asyncio.gather(*(self._hello(node) for node in self.nodes))
+        if not any(node.is_up for node in self.nodes):
+            raise TransferError(f"no cache node answered: {', '.join(self.config.nodes)}")
+
+    async def _hello(self, node: _Node) -> None:
+        try:
+            reply = await self._call(node, m.Hello())
+        except TransferError as exc:
+            log.warning("cache node %s is down: %s", node.control_address, exc)
+            return
+        if reply.transport not in self.transports:
+            transport = load_backend("transports", reply.transport)()
+            await transport.start()
+            self.transports[reply.transport] = transport
+        node.hello = reply
+
+    async def _call(self, node: _Node, request):
+        """One request/reply on a node's control socket, within the deadline."""
+        async with node.lock:
+            try:
+                await asyncio.wait_for(node.socket.send(m.encode(request)), self.config.timeout_s)
+                reply = m.decode(await asyncio.wait_for(node.socket.recv(), self.config.timeout_s))
+            except asyncio.TimeoutError:
+                # The socket may now hold a late reply; a fresh one keeps later calls in step.
+                node.socket.close(linger=0)
+                node.socket = self.ctx.socket(zmq.DEALER)
+                node.socket.setsockopt(zmq.LINGER, 0)
+                node.socket.connect(node.control_address)
+                raise TransferError(f"cache node {node.control_address}: no answer to {request.TAG!r} within "
+                                    f"{self.config.timeout_s:g} s") from None
+        if isinstance(reply, m.ErrorReply):
+            raise TransferError(f"cache node {node.control_address} refused {request.TAG!r}: {reply.error}")
+        return reply
+
+    def ranked_nodes(self, key: int) -> list[_Node]:
+        """Every node, best home for `key` first (rendezvous hashing on the node's control address)."""
+        def score(node):
+            return xxhash.xxh3_64_intdigest(key.to_bytes(8, "little") + node.control_address.encode())
+        return sorted(self.nodes, key=score, reverse=True)
+
+    async def put_blocks(self, blocks: list[tuple[int, bytes]]) -> dict[int, str | None]:
+        """Write each block to its replicas; per key, None if at least one replica took it, else why not."""
+        plan: dict[int, list[tuple[int, bytes]]] = {}
+        for key, data in blocks:
+            for node in self.ranked_nodes(key)[:self.config.replica_num]:
+                plan.setdefault(id(node), []).append((key, data))
+        by_id = {id(n): n for n in self.nodes}
+        outcomes = await asyncio.gather(*(self._send(by_id[i], group) for i, group in plan.items()))
+        stored, errors = set(), {key: [] for key, _ in blocks}
+        for outcome in outcomes:
+            for key, error in outcome.items():
+                if error is None:
+                    stored.add(key)
+                else:
+                    errors[key].append(error)
+        return {key: None if key in stored else "; ".join(errors[key]) or "no replica reachable"
+                for key, _ in blocks}
+
+    async def _send(self, node: _Node, blocks) -> dict[int, str | None]:
+        if not node.is_up:
+            return {key: f"cache node {node.control_address} is down" for key, _ in blocks}
+        transport = self.transports[node.hello.transport]
+        try:
+            result = await transport.send(node.hello.data_address, blocks, self.config.timeout_s)
+        except TransferError as exc:
+            return {key: str(exc) for key, _ in blocks}
+        return {b.key: b.error for b in result.blocks}
+
+    async def get_blocks(self, keys: list[int]) -> dict[int, bytes | None]:
+        """Each key's bytes (verified), or None where no live node holds it."""
+        found: dict[int, bytes | None] = {key: None for key in keys}
+        candidates = {key: [n for n in self.ranked_nodes(key) if n.is_up] for key in keys}
+        pending = list(dict.fromkeys(keys))
+        while pending:
+            plan: dict[int, list[int]] = {}
+            for key in pending:
+                if candidates[key]:
+                    plan.setdefault(id(candidates[key].pop(0)), []).append(key)
+            if not plan:
+                break
+            by_id = {id(n): n for n in self.nodes}
+            outcomes = await asyncio.gather(*(self._fetch(by_id[i], group) for i, group in plan.items()))
+            for outcome in outcomes:
+                found.update({k: v for k, v in outcome.items() if v is not None})
+            pending = [key for key in pending if found[key] is None and candidates[key]]
+        return found
+
+    async def _fetch(self, node: _Node, keys: list[int]) -> dict[int, bytes | None]:
+        transport = self.transports[node.hello.transport]
+        try:
+            result = await transport.fetch(node.hello.data_address, keys, self.config.timeout_s)
+        except TransferError as exc:
+            log.warning("%s", exc)
+            return {}
+        return {b.key: (bytes(b.data) if b.ok else None) for b in result.blocks}
+
+    async def match_prefix(self, keys: list[int]) -> int:
+        """How many leading `keys` the live nodes hold between them."""
+        live = [n for n in self.nodes if n.is_up]
+        replies = await asyncio.gather(*(self._call(n, m.Exists(keys=list(keys))) for n in live),
+                                       return_exceptions=True)
+        held = [False] * len(keys)
+        for reply in replies:
+            if isinstance(reply, m.ExistsReply):
+                held = [h or t is not None for h, t in zip(held, reply.tiers)]
+        return next((i for i, h in enumerate(held) if not h), len(keys))
+
+    async def stop(self) -> None:
+        for transport in self.transports.values():
+            await transport.stop()
+        for node in self.nodes:
+            node.socket.close(linger=0)
+        self.ctx.term()

@@ -1,0 +1,132 @@
+"""The cache role: a KVStore served to other roles. Block bytes come and go over the configured
+transport; a ZeroMQ ROUTER answers control messages (hello, exists, match_prefix, remove, stats); a PUB
+socket publishes batched add/evict events for the conductor's prefix index."""
+
+import asyncio
+import dataclasses
+import logging
+
+import zmq
+import zmq.asyncio
+
+from mooncake import messages as m
+from mooncake.config import MooncakeConfig
+from mooncake.errors import CapacityError, MooncakeError
+from mooncake.registry import load_backend
+from mooncake.store.store import KVStore
+
+log = logging.getLogger(__name__)
+
+
+class StoreService:
+    """Adapts the store to the transports' BlockService: capacity errors become per-block errors, and a
+    block being sent is pinned by a short lease instead of copied."""
+
+    def __init__(self, store: KVStore, read_lease_s: float):
+        self.store = store
+        self.read_lease_s = read_lease_s
+
+    def put_block(self, key, data):
+        try:
+            self.store.put(key, data)
+        except CapacityError as exc:
+            return f"capacity: {exc}"
+        return None
+
+    def get_block(self, key):
+        lease = self.store.get(key, lease_s=self.read_lease_s)
+        return None if lease is None else lease.data
+
+
+class CacheServer:
+    def __init__(self, config: MooncakeConfig):
+        self.config = config
+        self.name = f"cache node {config.cache.node_id}"
+        self.store: KVStore | None = None
+        self.transport = None
+        self.data_address = ""
+        self.ctx = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        cfg = self.config.cache
+        self.store = KVStore(self.config.store)
+        self.transport = load_backend("transports", cfg.transport)()
+        self.data_address = await self.transport.start(StoreService(self.store, cfg.read_lease_s),
+                                                       cfg.data_address or None)
+        self.ctx = zmq.asyncio.Context()
+        self.control = self.ctx.socket(zmq.ROUTER)
+        self.events = self.ctx.socket(zmq.PUB)
+        for sock, key, address in ((self.control, "cache.control_address", cfg.control_address),
+                                   (self.events, "cache.events_address", cfg.events_address)):
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.bind(address)
+            except zmq.ZMQError as exc:
+                await self.stop()
+                raise MooncakeError(f"{self.name}: cannot listen on {key} = {address}: {exc}") from None
+        self._tasks = [asyncio.create_task(self._serve_control()), asyncio.create_task(self._publish_events())]
+        log.info("%s ready: control %s, events %s, data %s (%s), store %s", self.name, cfg.control_address,
+                 cfg.events_address, self.data_address, cfg.transport, self.store.num_blocks())
+
+    async def stop(self) -> None:
+        """Reverse order of start; safe to call on a half-started server."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self.transport is not None:
+            await self.transport.stop()
+            self.transport = None
+        if self.ctx is not None:
+            for sock in (self.control, self.events):
+                sock.close(linger=0)
+            self.ctx.term()
+            self.ctx = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    async def _serve_control(self) -> None:
+        while True:
+            identity, *frames = await self.control.recv_multipart()
+            await self.control.send_multipart([identity, m.encode(self.handle(frames))])
+
+    def handle(self, frames: list[bytes]):
+        """One control request in, one reply out; a malformed request gets an ErrorReply and a log line."""
+        try:
+            if len(frames) != 1:
+                raise m.MessageError(f"expected 1 frame, got {len(frames)}")
+            request = m.decode(frames[0])
+        except m.MessageError as exc:
+            log.warning("%s: malformed control message: %s", self.name, exc)
+            return m.ErrorReply(error=f"malformed message: {exc}")
+        cfg = self.config.cache
+        if isinstance(request, m.Hello):
+            return m.HelloReply(node_id=cfg.node_id, transport=cfg.transport, data_address=self.data_address,
+                                events_address=cfg.events_address)
+        if isinstance(request, m.Exists):
+            return m.ExistsReply(tiers=[self.store.exists(k) for k in request.keys])
+        if isinstance(request, m.MatchPrefix):
+            return m.MatchPrefixReply(tiers=self.store.match_prefix(request.keys))
+        if isinstance(request, m.Remove):
+            return m.RemoveReply(removed=[self.store.remove(k) for k in request.keys])
+        if isinstance(request, m.Stats):
+            return m.StatsReply(stats=self.stats())
+        log.warning("%s: unexpected control message %s", self.name, type(request).__name__)
+        return m.ErrorReply(error=f"a cache node does not answer {request.TAG!r}")
+
+    def stats(self) -> dict:
+        metrics = dataclasses.asdict(self.store.metrics)
+        return {**{k: dict(v) if isinstance(v, dict) else v for k, v in metrics.items()},
+                "blocks": self.store.num_blocks(),
+                "used_bytes": {t.name: t.used_bytes for t in self.store.tiers},
+                "capacity_bytes": {t.name: t.capacity_bytes for t in self.store.tiers}}
+
+    async def _publish_events(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.cache.event_interval_s)
+            events = self.store.drain_events()
+            if events:
+                batch = [[e.kind, e.key, e.tier] for e in events]
+                await self.events.send(m.encode(m.StoreEvents(node_id=self.config.cache.node_id, events=batch)))

@@ -1,0 +1,43 @@
+import dataclasses
+
+import pytest
+
+from mooncake import messages as m
+
+SAMPLES = [
+    m.Hello(),
+    m.HelloReply(node_id="cache-0", transport="tcp", data_address="tcp://127.0.0.1:1", events_address="tcp://x:2"),
+    m.Exists(keys=[1, 2**64 - 1]),
+    m.ExistsReply(tiers=["dram", None, "ssd"]),
+    m.MatchPrefix(keys=[5, 6]),
+    m.MatchPrefixReply(tiers=["dram"]),
+    m.Remove(keys=[3]),
+    m.RemoveReply(removed=[True, False]),
+    m.Stats(),
+    m.StatsReply(stats={"hits": {"dram": 3}, "misses": 1}),
+    m.StoreEvents(node_id="cache-1", events=[["add", 7, "dram"], ["evict", 8, "ssd"]]),
+    m.ErrorReply(error="bad"),
+]
+
+
+def test_every_registered_message_has_a_sample():
+    assert {type(s).TAG for s in SAMPLES} == set(m._TYPES)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda s: type(s).TAG)
+def test_round_trip(msg):
+    back = m.decode(m.encode(msg))
+    assert type(back) is type(msg) and dataclasses.asdict(back) == dataclasses.asdict(msg)
+
+
+@pytest.mark.parametrize("frame, match", [
+    (b"\xc1", "not msgpack"),
+    (b"\x93\x01\x02\x03", "must be a map"),
+    (b"\x82\xa1t\xa6nosuch\xa1v\x01", "unknown message type"),
+    (b"\x82\xa1t\xa5hello\xa1v\x07", "version 7"),
+    (b"\x83\xa1t\xa6remove\xa1v\x01\xa3bad\x01", "unknown fields"),
+    (b"\x82\xa1t\xa6remove\xa1v\x01", "missing"),
+])
+def test_malformed_frames_are_message_errors(frame, match):
+    with pytest.raises(m.MessageError, match=match):
+        m.decode(frame)
