@@ -7,26 +7,21 @@ The wheel's top-level package is also called `mooncake`, so it cannot be install
 mooncake-te` unpacks it into its own directory and `load_transfer_engine()` imports its `engine.so` under
 a private name."""
 
-import asyncio
 import importlib.util
 import logging
 import sys
-import time
 import types
 from contextlib import contextmanager
 
 import numpy as np
 
-from backends.transports.tcp import TcpTransport
-from mooncake.arena import Arena
+from backends.transports.staged import StagedTransport
 from mooncake.env import mooncake_te_dir
 from mooncake.errors import BackendError
-from mooncake.hashing import checksum
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = ("run `make mooncake-te` (Debian packages libibverbs1 ibverbs-providers, then pip install "
                 "--no-deps --target <venv>/mooncake-te mooncake-transfer-engine-non-cuda==0.3.13.post1)")
-REPLY_TTL_S = 30.0
 _MODULE = "_mooncake_transfer_engine"
 
 
@@ -53,7 +48,7 @@ def load_transfer_engine():
     return module
 
 
-class MooncakeTransport(TcpTransport):
+class MooncakeTransport(StagedTransport):
     name = "mooncake"
 
     def __init__(self, tamper=None, host: str = "127.0.0.1", protocol: str = "tcp",
@@ -64,56 +59,21 @@ class MooncakeTransport(TcpTransport):
         if self.engine.initialize(host, "P2PHANDSHAKE", protocol, "") != 0:
             raise BackendError(f"transport 'mooncake': Transfer Engine failed to start ({protocol} on {host})")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
-        self.buffer = np.zeros(staging_bytes, dtype=np.uint8)
-        self.base = self.buffer.ctypes.data
-        if self.engine.register_memory(self.base, staging_bytes) != 0:
+        buffer = np.zeros(staging_bytes, dtype=np.uint8)
+        if self.engine.register_memory(buffer.ctypes.data, staging_bytes) != 0:
             raise BackendError("transport 'mooncake': cannot register the staging buffer")
-        self.arena = Arena(staging_bytes)
-        self._staged: dict[int, tuple[float, int]] = {}  # offset -> (time staged, size)
+        self._init_staging(buffer, buffer.ctypes.data)
 
-    def _stage(self, size: int) -> int:
-        offset = self.arena.alloc(max(size, 1))
-        if offset is None:  # reclaim fetch replies whose reader never came, oldest first
-            for old in sorted(self._staged, key=lambda o: self._staged[o][0]):
-                self._unstage(old)
-                offset = self.arena.alloc(max(size, 1))
-                if offset is not None:
-                    break
-        if offset is None:
-            raise ValueError(f"staging buffer full: {size} bytes wanted")
-        self._staged[offset] = (time.monotonic(), max(size, 1))
-        return offset
-
-    def _unstage(self, offset: int) -> None:
-        entry = self._staged.pop(offset, None)
-        if entry is not None:
-            self.arena.free(offset, entry[1])
-
-    def _outgoing(self, blocks, request_id):
-        now = time.monotonic()
-        for offset in [o for o, (t, _) in self._staged.items() if now - t > REPLY_TTL_S]:
-            self._unstage(offset)
-        views = [(key, memoryview(data).cast("B")) for key, data in blocks]
-        sizes = [len(v) for _, v in views]
-        offset = self._stage(sum(sizes))
-        cursor = offset
-        for key, view in views:
-            data = self.tamper(key, bytes(view)) if self.tamper else view
-            self.buffer[cursor:cursor + len(view)] = np.frombuffer(data, dtype=np.uint8)
-            cursor += len(view)
-        return {"keys": [k for k, _ in views], "sums": [checksum(v) for _, v in views], "sizes": sizes,
-                "session": self.session, "addr": self.base + offset, "staged": offset}, []
-
-    def _sent(self, fields):
-        self._unstage(fields["staged"])
+    def _locator(self):
+        return {"session": self.session}
 
     @contextmanager
     def _incoming(self, header, frames, keep=False):
         total = sum(header["sizes"])
         offset = self._stage(total)
         try:
-            if total and self.engine.transfer_sync_read(header["session"], self.base + offset, header["addr"],
-                                                        total) != 0:
+            if total and self.engine.transfer_sync_read(header["session"], self.base_address + offset,
+                                                        header["addr"], total) != 0:
                 raise ValueError(f"Transfer Engine read of {total} bytes from {header['session']} failed")
             view = memoryview(self.buffer)[offset:offset + total]
             blocks, cursor = [], 0
@@ -127,7 +87,6 @@ class MooncakeTransport(TcpTransport):
     async def stop(self) -> None:
         await super().stop()
         try:
-            self.engine.unregister_memory(self.base)
+            self.engine.unregister_memory(self.base_address)
         except (RuntimeError, AttributeError) as exc:
             log.debug("unregister_memory: %s", exc)
-        await asyncio.sleep(0)

@@ -161,7 +161,7 @@ def test_shm_leaves_no_shared_memory_files_behind():
     from backends.transports.shm import SHM_DIR
 
     def ours():
-        return {p.name for p in SHM_DIR.glob(f"mooncake-{os.getpid()}-*")}
+        return {p.name for p in SHM_DIR.glob(f"mooncake-shm-{os.getpid()}-*")}
 
     async def run():
         server, client, service, address = await pair("shm")

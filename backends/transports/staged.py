@@ -1,0 +1,69 @@
+"""Transports whose block bytes bypass the ZeroMQ message: the sender stages them in a buffer the
+receiver can read (a shared-memory segment, or a Transfer-Engine-registered buffer), and the ZeroMQ
+request/reply of the tcp transport carries only the doorbell (where, how long, checksums).
+
+A staged range lives until the reply to its request is in (`_sent`); a fetch reply's range, which the
+server cannot know was read, is reclaimed after `REPLY_TTL_S`, or sooner when the buffer runs full."""
+
+import time
+from abc import abstractmethod
+
+import numpy as np
+
+from backends.transports.tcp import TcpTransport
+from mooncake.arena import Arena
+from mooncake.hashing import checksum
+
+REPLY_TTL_S = 30.0
+
+
+class StagedTransport(TcpTransport):
+    buffer: np.ndarray  # uint8 staging buffer, set by the subclass
+    base_address: int  # what peers need to find offset 0 of `buffer` (a pointer, or 0)
+
+    def _init_staging(self, buffer: np.ndarray, base_address: int) -> None:
+        self.buffer = buffer
+        self.base_address = base_address
+        self.arena = Arena(len(buffer))
+        self._staged: dict[int, tuple[float, int]] = {}  # offset -> (time staged, size)
+
+    @abstractmethod
+    def _locator(self) -> dict:
+        """Header fields that let a peer reach this endpoint's buffer."""
+
+    def _stage(self, size: int) -> int:
+        size = max(size, 1)
+        offset = self.arena.alloc(size)
+        if offset is None:  # reclaim fetch replies whose reader never came back, oldest first
+            for old in sorted(self._staged, key=lambda o: self._staged[o][0]):
+                self._unstage(old)
+                offset = self.arena.alloc(size)
+                if offset is not None:
+                    break
+        if offset is None:
+            raise ValueError(f"{self.name} staging buffer full: {size} bytes wanted")
+        self._staged[offset] = (time.monotonic(), size)
+        return offset
+
+    def _unstage(self, offset: int) -> None:
+        entry = self._staged.pop(offset, None)
+        if entry is not None:
+            self.arena.free(offset, entry[1])
+
+    def _outgoing(self, blocks, request_id):
+        now = time.monotonic()
+        for offset in [o for o, (t, _) in self._staged.items() if now - t > REPLY_TTL_S]:
+            self._unstage(offset)
+        views = [(key, memoryview(data).cast("B")) for key, data in blocks]
+        sizes = [len(v) for _, v in views]
+        offset = self._stage(sum(sizes))
+        cursor = offset
+        for key, view in views:
+            data = self.tamper(key, bytes(view)) if self.tamper else view
+            self.buffer[cursor:cursor + len(view)] = np.frombuffer(data, dtype=np.uint8)
+            cursor += len(view)
+        return {"keys": [k for k, _ in views], "sums": [checksum(v) for _, v in views], "sizes": sizes,
+                "addr": self.base_address + offset, "staged": offset, **self._locator()}, []
+
+    def _sent(self, fields):
+        self._unstage(fields["staged"])
