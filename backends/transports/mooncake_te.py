@@ -27,24 +27,31 @@ _MODULE = "_mooncake_transfer_engine"
 
 def load_transfer_engine():
     """The Transfer Engine's extension module, or a BackendError saying how to install it."""
-    if f"{_MODULE}.engine" in sys.modules:
-        return sys.modules[f"{_MODULE}.engine"]
+    return load_wheel_module("engine")
+
+
+def load_wheel_module(name: str):
+    """An extension module of the Mooncake wheel (`engine`, or `store` for Mooncake Store), imported
+    from its own directory under a private package name."""
+    qualified = f"{_MODULE}.{name}"
+    if qualified in sys.modules:
+        return sys.modules[qualified]
     directory = mooncake_te_dir() / "mooncake"
-    library = directory / "engine.so"
+    library = directory / f"{name}.so"
     if not library.exists():
         raise BackendError(f"transport 'mooncake' needs Mooncake's Transfer Engine, not found at {library}: "
                            f"{INSTALL_HINT}")
-    package = types.ModuleType(_MODULE)
-    package.__path__ = [str(directory)]
-    sys.modules[_MODULE] = package
-    spec = importlib.util.spec_from_file_location(f"{_MODULE}.engine", library)
+    if _MODULE not in sys.modules:
+        package = types.ModuleType(_MODULE)
+        package.__path__ = [str(directory)]
+        sys.modules[_MODULE] = package
+    spec = importlib.util.spec_from_file_location(qualified, library)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except ImportError as exc:
-        del sys.modules[_MODULE]
         raise BackendError(f"transport 'mooncake': cannot load {library} ({exc}): {INSTALL_HINT}") from None
-    sys.modules[f"{_MODULE}.engine"] = module
+    sys.modules[qualified] = module
     return module
 
 

@@ -67,3 +67,6 @@ class StagedTransport(TcpTransport):
 
     def _sent(self, fields):
         self._unstage(fields["staged"])
+
+    def _released(self, header):
+        self._unstage(int(header["staged"]))

@@ -52,7 +52,8 @@ class TcpTransport(Transport):
             except Exception as exc:  # noqa: BLE001  a bad peer must not take the endpoint down
                 log.warning("%s transport %s: bad request from a peer: %s", self.name, self.address, exc)
                 reply = [pack_header("error", _request_id_of(frames), error=f"malformed request: {exc}")]
-            await self._server.send_multipart([identity, *reply], copy=False)
+            if reply:  # one-way notices (release) get no reply
+                await self._server.send_multipart([identity, *reply], copy=False)
 
     def _handle(self, frames) -> list:
         header = unpack_header(frames[0].buffer)
@@ -69,7 +70,13 @@ class TcpTransport(Transport):
             found = [(k, d) for k in header["keys"] if (d := self.service.get_block(k)) is not None]
             fields, frames_out = self._outgoing(found, request_id)
             return [pack_header("get-reply", request_id, **fields), *frames_out]
+        if header["op"] == "release":
+            self._released(header)
+            return []
         raise ValueError(f"unknown op {header['op']!r}")
+
+    def _released(self, header: dict) -> None:
+        """A peer has read a fetch reply; staged transports free it (plain tcp has nothing to free)."""
 
     # How block bytes travel; shm.py overrides these two to move them through shared memory.
 
@@ -109,8 +116,9 @@ class TcpTransport(Transport):
         future = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
-            await asyncio.wait_for(self._socket(peer).send_multipart(frames, copy=False), timeout_s)
-            header, data = await asyncio.wait_for(future, timeout_s)
+            async with asyncio.timeout(timeout_s):  # one deadline for the whole round trip
+                await self._socket(peer).send_multipart(frames, copy=False)
+                header, data = await future
         except asyncio.TimeoutError:
             raise TransferError(f"transfer {request_id} to {peer}: no answer within {timeout_s:g} s "
                                 f"(peer down or overloaded)") from None
@@ -140,6 +148,8 @@ class TcpTransport(Transport):
                                            timeout_s)
         with self._incoming(header, data, keep=True) as blocks:
             by_key = {k: (s, b) for k, s, b in zip(header["keys"], header["sums"], blocks)}
+        if "staged" in header:  # tell the peer its staged reply may be reused; no answer expected
+            await self._socket(peer).send_multipart([pack_header("release", request_id, staged=header["staged"])])
         results = verify_blocks(keys, [by_key.get(k, (None, b""))[0] for k in keys],
                                 [by_key.get(k, (None, b""))[1] for k in keys])
         num_bytes = sum(len(b) for _, b in by_key.values())
