@@ -72,8 +72,8 @@ def serve(
 ):
     """Run one mooncake role until Ctrl-C or SIGTERM.
 
-    cache: a KVCache store node (the [store] and [cache] tables): blocks over the configured transport,
-    control requests and store events over ZeroMQ."""
+    cache: a KVCache store node, configured by the store and cache tables of the file: blocks over the
+    configured transport, control requests and store events over ZeroMQ. The other roles come later."""
     from mooncake.config import load_config
     from mooncake.errors import ConfigError
     from mooncake.runtime import run_service

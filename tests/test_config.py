@@ -27,6 +27,10 @@ def test_values_are_loaded(tmp_path):
     ("[engine]\nblock_size = 0\n", "engine.block_size"),
     ("[engine]\ndtype = 'int8'\n", "engine.dtype"),
     ("engine = 3\n", "engine"),
+    ("[cache]\ntransport = 'rdma9'\n", "cache.transport"),
+    ("[cache]\ncontrol_address = '7600'\n", "cache.control_address"),
+    ("[cache_client]\nnodes = ['tcp://a:1']\nreplica_num = 2\n", "cache_client.replica_num"),
+    ("[store]\neviction = 'fifo'\n", "store.eviction"),
 ])
 def test_bad_keys_name_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
