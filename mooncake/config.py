@@ -102,6 +102,25 @@ class CacheClientConfig:
 
 
 @dataclass(frozen=True)
+class ConductorConfig:
+    """The conductor's scheduling (mooncake/conductor/): placement, early rejection and their SLOs."""
+
+    placement: str = "kvcache-centric"  # or local-cache-aware, least-loaded, round-robin, random
+    admission: str = "predictive"  # or early, accept-all
+    balancing_threshold: float = 2.0  # fetch the pool's longer prefix when it is this many times the local one
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+
+    def __post_init__(self):
+        from mooncake.conductor.admission import ADMISSION
+        from mooncake.conductor.policies import POLICIES
+        _check(self.placement in POLICIES, "conductor.placement", f"must be one of {', '.join(POLICIES)}")
+        _check(self.admission in ADMISSION, "conductor.admission", f"must be one of {', '.join(ADMISSION)}")
+        for key in ("balancing_threshold", "ttft_slo_s", "tbt_slo_s"):
+            _check(getattr(self, key) > 0, f"conductor.{key}", "must be > 0")
+
+
+@dataclass(frozen=True)
 class MooncakeConfig:
     """The whole file. Sections for the serving roles join here as they are built."""
 
@@ -109,6 +128,7 @@ class MooncakeConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     cache_client: CacheClientConfig = field(default_factory=CacheClientConfig)
+    conductor: ConductorConfig = field(default_factory=ConductorConfig)
 
 
 def _check(ok: bool, key: str, why: str) -> None:

@@ -31,6 +31,8 @@ def test_values_are_loaded(tmp_path):
     ("[cache]\ncontrol_address = '7600'\n", "cache.control_address"),
     ("[cache_client]\nnodes = ['tcp://a:1']\nreplica_num = 2\n", "cache_client.replica_num"),
     ("[store]\neviction = 'fifo'\n", "store.eviction"),
+    ("[conductor]\nplacement = 'magic'\n", "conductor.placement"),
+    ("[conductor]\ntbt_slo_s = 0\n", "conductor.tbt_slo_s"),
 ])
 def test_bad_keys_name_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):

@@ -1,0 +1,70 @@
+"""Admission (early rejection): whether to serve a placed request, judged at its arrival.
+
+- `AcceptAll`: never rejects here (the rejection study's baseline rejects later, at decode).
+- `EarlyRejection`: Algorithm 1's check on current load: reject if predicted TTFT > TTFT SLO or the
+  decode instance's TBT with the request added, as of now, > TBT SLO.
+- `PredictiveRejection` (arXiv section 7): the decode load that matters is the one when the request
+  reaches decode, a TTFT from now. Count what will be decoding then (running requests not yet finished,
+  plus requests still in prefill that will have arrived) and reject if that TBT would break the SLO.
+  Rejecting on current load makes prefill and decode load swing in anti-phase, since decode load lags
+  admissions by the prefill time; predicting it removes the lag."""
+
+from abc import ABC, abstractmethod
+
+from mooncake.conductor.estimators import DecodeStepModel
+from mooncake.conductor.view import ClusterView, Placement, Rejection, RequestView
+from mooncake.errors import ConfigError
+
+
+class AdmissionPolicy(ABC):
+    def __init__(self, decode_step: DecodeStepModel, ttft_slo_s: float, tbt_slo_s: float):
+        self.decode_step = decode_step
+        self.ttft_slo_s = ttft_slo_s
+        self.tbt_slo_s = tbt_slo_s
+
+    @abstractmethod
+    def admit(self, request: RequestView, placement: Placement, cluster: ClusterView,
+              now: float) -> Rejection | None:
+        """None to serve the request, else why not."""
+
+    def decode_load(self, request: RequestView, placement: Placement, cluster: ClusterView, at: float) -> float:
+        """TBT / TBT SLO of the chosen decode instance at time `at`, with this request added."""
+        decode = next(d for d in cluster.decodes if d.instance_id == placement.decode_id)
+        batch, context = decode.batch_at(at)
+        return self.decode_step.predict(batch + 1, context + request.num_tokens) / self.tbt_slo_s
+
+
+class AcceptAll(AdmissionPolicy):
+    def admit(self, request, placement, cluster, now):
+        return None
+
+
+class EarlyRejection(AdmissionPolicy):
+    def admit(self, request, placement, cluster, now):
+        if placement.ttft_s > self.ttft_slo_s:
+            return Rejection("ttft_slo", placement.ttft_s, placement.tbt_s)
+        if self.decode_load(request, placement, cluster, now) > 1.0:
+            return Rejection("tbt_slo", placement.ttft_s, placement.tbt_s)
+        return None
+
+
+class PredictiveRejection(AdmissionPolicy):
+    def admit(self, request, placement, cluster, now):
+        if placement.ttft_s > self.ttft_slo_s:
+            return Rejection("ttft_slo", placement.ttft_s, placement.tbt_s)
+        arrives = now + placement.ttft_s
+        load = self.decode_load(request, placement, cluster, arrives)
+        if load > 1.0:
+            return Rejection("tbt_slo", placement.ttft_s, load * self.tbt_slo_s)
+        return None
+
+
+ADMISSION = {"accept-all": AcceptAll, "early": EarlyRejection, "predictive": PredictiveRejection}
+
+
+def make_admission_policy(name: str, decode_step: DecodeStepModel, ttft_slo_s: float,
+                          tbt_slo_s: float) -> AdmissionPolicy:
+    cls = ADMISSION.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown admission policy '{name}' (known: {', '.join(ADMISSION)})")
+    return cls(decode_step, ttft_slo_s, tbt_slo_s)

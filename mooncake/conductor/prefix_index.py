@@ -1,0 +1,66 @@
+"""The global prefix index: which holders (prefill instances, cache nodes) have which blocks. Fed by
+store and instance events; queried by the placement policies. Holder ids are strings."""
+
+from collections.abc import Iterable
+
+
+class PrefixIndex:
+    def __init__(self):
+        self._holders: dict[int, set[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def add(self, holder: str, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            self._holders.setdefault(h, set()).add(holder)
+
+    def remove(self, holder: str, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.discard(holder)
+                if not holders:
+                    del self._holders[h]
+
+    def drop_holder(self, holder: str) -> None:
+        """A holder died or left: forget everything it had."""
+        for h in [h for h, hs in self._holders.items() if holder in hs]:
+            self.remove(holder, [h])
+
+    def holders(self, block_hash: int) -> set[str]:
+        return self._holders.get(block_hash, set())
+
+    def prefix_len(self, hashes: Iterable[int], holder: str) -> int:
+        """Leading blocks of `hashes` that `holder` has."""
+        n = 0
+        for h in hashes:
+            if holder not in self._holders.get(h, ()):
+                break
+            n += 1
+        return n
+
+    def prefix_lengths(self, hashes: Iterable[int]) -> dict[str, int]:
+        """Leading blocks of `hashes` per holder that has at least the first one, in one pass."""
+        lengths: dict[str, int] = {}
+        alive: set[str] | None = None
+        i = 0
+        for i, h in enumerate(hashes):
+            here = self._holders.get(h, set())
+            if alive is None:
+                alive = set(here)
+            else:
+                for holder in alive - here:
+                    lengths[holder] = i
+                alive &= here
+            if not alive:
+                return lengths
+        for holder in alive or ():
+            lengths[holder] = i + 1
+        return lengths
+
+    def longest_prefix(self, hashes: Iterable[int]) -> tuple[int, str | None]:
+        """(blocks, holder) of the longest leading run held by one holder; ties go to the smallest id."""
+        lengths = self.prefix_lengths(hashes)
+        best = max(lengths.values(), default=0)
+        return best, min((h for h, n in lengths.items() if n == best), default=None)

@@ -1,0 +1,71 @@
+"""What the policies see and say: plain dataclasses of ids, counts and times (no live objects)."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RequestView:
+    request_id: str
+    num_tokens: int  # prompt tokens
+    block_hashes: tuple[int, ...]  # chained hashes of the prompt's full blocks
+    max_tokens: int = 256  # for the decode-duration estimate
+    arrival_s: float = 0.0
+
+
+@dataclass
+class PrefillView:
+    instance_id: str
+    queued_prefill_s: float = 0.0  # predicted prefill time of the requests queued on it
+    num_queued: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """One request a decode instance has or will have: in its batch from start_s until finish_s."""
+
+    start_s: float  # when its KV is (or is predicted to be) in decode: prefill end
+    finish_s: float  # predicted end of decoding
+    context_tokens: int
+
+
+@dataclass
+class DecodeView:
+    instance_id: str
+    requests: list[DecodeLoad] = field(default_factory=list)  # running and placed-but-in-prefill
+
+    def batch_at(self, t: float) -> tuple[int, int]:
+        """(batch size, context tokens) predicted at time t."""
+        batch = context = 0
+        for r in self.requests:
+            if r.start_s <= t < r.finish_s:
+                batch += 1
+                context += r.context_tokens
+        return batch, context
+
+
+@dataclass(frozen=True)
+class Placement:
+    prefill_id: str
+    decode_id: str
+    reuse_blocks: int  # leading blocks prefill reads instead of computing
+    fetch_from: str | None  # holder the reused blocks come from, when not local (then replicate there)
+    ttft_s: float  # estimated: queue + transfer + prefill
+    tbt_s: float  # estimated TBT of the decode instance with this request added
+    transfer_s: float = 0.0
+
+
+@dataclass
+class ClusterView:
+    """A read-only snapshot for one decision."""
+
+    prefills: list[PrefillView]
+    decodes: list[DecodeView]
+    block_size: int  # tokens per block
+    block_bytes: int  # KV bytes per block
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: str  # "ttft_slo" | "tbt_slo" | "overload" | "no_instance"
+    ttft_s: float = 0.0
+    tbt_s: float = 0.0

@@ -1,0 +1,52 @@
+import random
+
+import pytest
+
+from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
+from mooncake.conductor.prefix_index import PrefixIndex
+
+
+def test_prefill_model_fits_measurements_online():
+    model = PrefillTimeModel(0.0, 1e-3, 0.0, min_samples=8)  # seed: 1 ms per token, wrong on purpose
+    rng = random.Random(0)
+    for _ in range(50):  # truth: 20 ms + 0.2 ms/token + 1e-8 s/token^2 over the uncached part
+        n = rng.randint(100, 8000)
+        r = rng.randint(0, n)
+        model.observe(n, r, 0.02 + 2e-4 * (n - r) + 1e-8 * (n * n - r * r))
+    assert model.predict(4000, 0) == pytest.approx(0.02 + 2e-4 * 4000 + 1e-8 * 4000**2, rel=1e-3)
+    assert model.predict(4000, 3000) < model.predict(4000, 0)
+    assert model.predict(100, 500) == pytest.approx(0.02, abs=1e-3)  # reuse beyond the prompt is capped
+
+
+def test_seed_is_used_until_enough_samples():
+    model = PrefillTimeModel(0.5, 0.0, 0.0, min_samples=3)
+    model.observe(100, 0, 9.0)
+    assert model.predict(100) == 0.5
+
+
+def test_decode_step_model():
+    model = DecodeStepModel(0.01, 0.001, 1e-6, min_samples=4)
+    assert model.predict(0, 0) == 0.0
+    for batch in range(1, 20):
+        model.observe(batch, batch * 500, 0.005 + 0.002 * batch + 2e-6 * batch * 500)
+    assert model.predict(10, 5000) == pytest.approx(0.005 + 0.02 + 0.01, rel=1e-3)
+
+
+def test_bandwidth_moving_average_per_pair():
+    bw = BandwidthEstimator(1e9, alpha=0.5)
+    assert bw.get("a", "b") == 1e9
+    bw.observe("a", "b", 4e9, 1.0)
+    bw.observe("a", "b", 2e9, 1.0)
+    assert bw.get("a", "b") == pytest.approx(3e9) and bw.get("b", "a") == 1e9
+
+
+def test_prefix_index():
+    index = PrefixIndex()
+    index.add("a", [1, 2, 3])
+    index.add("b", [1, 2])
+    index.add("c", [2, 3])  # has a later block but not the first: no prefix
+    assert index.prefix_lengths([1, 2, 3, 4]) == {"a": 3, "b": 2}
+    assert index.longest_prefix([1, 2, 3]) == (3, "a") and index.longest_prefix([9]) == (0, None)
+    assert index.prefix_len([1, 2, 3], "b") == 2 and index.prefix_len([1], "c") == 0
+    index.drop_holder("a")
+    assert index.longest_prefix([1, 2, 3]) == (2, "b") and len(index) == 3

@@ -1,0 +1,111 @@
+import pytest
+
+from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
+from mooncake.conductor.policies import Estimators, make_placement_policy
+from mooncake.conductor.prefix_index import PrefixIndex
+from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, PrefillView, RequestView
+from mooncake.errors import ConfigError
+
+BLOCK = 512
+BLOCK_BYTES = 100 << 20  # 100 MiB of KV per block
+HASHES = tuple(range(100, 110))  # a 10-block prompt
+
+
+def estimators(bandwidth=1e9):
+    # 1 ms per uncached token, nothing quadratic: a cold 5120-token prompt takes 5.12 s.
+    return Estimators(PrefillTimeModel(0.01, 0.001, 0.0), DecodeStepModel(0.01, 0.002, 0.0),
+                      BandwidthEstimator(bandwidth))
+
+
+def cluster(prefills, decodes=None):
+    return ClusterView(prefills=prefills, decodes=decodes or [DecodeView("d0")], block_size=BLOCK,
+                       block_bytes=BLOCK_BYTES)
+
+
+REQUEST = RequestView("r1", num_tokens=10 * BLOCK, block_hashes=HASHES)
+
+
+def test_cache_rich_but_queued_loses_to_idle_but_cold_when_the_fetch_is_cheaper():
+    index = PrefixIndex()
+    index.add("p0", HASHES)
+    policy = make_placement_policy("kvcache-centric", index, estimators(bandwidth=1e9))
+    busy, idle = PrefillView("p0", queued_prefill_s=20.0), PrefillView("p1")
+    placement = policy.place(REQUEST, cluster([busy, idle]), now=0.0)
+    # p1 fetches all 10 blocks from p0: 1000 MiB at 1 GB/s ~ 1.05 s, versus 20 s of queue on p0.
+    assert placement.prefill_id == "p1" and placement.fetch_from == "p0" and placement.reuse_blocks == 10
+    assert placement.transfer_s == pytest.approx(10 * BLOCK_BYTES / 1e9)
+    # with a short queue, staying with the cache wins
+    busy.queued_prefill_s = 0.5
+    placement = policy.place(REQUEST, cluster([busy, idle]), now=0.0)
+    assert placement.prefill_id == "p0" and placement.fetch_from is None and placement.transfer_s == 0.0
+
+
+def test_idle_and_cold_wins_when_the_network_is_slow():
+    index = PrefixIndex()
+    index.add("p0", HASHES)
+    policy = make_placement_policy("kvcache-centric", index, estimators(bandwidth=1e8))  # 10 s to fetch
+    placement = policy.place(REQUEST, cluster([PrefillView("p0", queued_prefill_s=8.0), PrefillView("p1")]), 0)
+    assert placement.prefill_id == "p0"  # 8 s queue beats 10.5 s of transfer
+
+
+def test_transfer_branch_versus_local_follows_the_balancing_threshold():
+    index = PrefixIndex()
+    index.add("cache-node", HASHES)  # the pool holds all 10 blocks
+    index.add("p1", HASHES[:6])  # p1 holds 6 locally
+    policy = make_placement_policy("kvcache-centric", index, estimators(), balancing_threshold=2.0)
+    placement = policy.place(REQUEST, cluster([PrefillView("p1")]), 0)
+    assert placement.reuse_blocks == 6 and placement.fetch_from is None  # 10/6 <= 2: keep local
+    index.remove("p1", HASHES[2:6])  # now 10/2 = 5 > 2: fetch the difference
+    placement = policy.place(REQUEST, cluster([PrefillView("p1")]), 0)
+    assert placement.reuse_blocks == 10 and placement.fetch_from == "cache-node"
+    assert placement.transfer_s == pytest.approx(8 * BLOCK_BYTES / 1e9)
+
+
+def test_hot_spot_migration_leaves_a_replica():
+    index = PrefixIndex()
+    index.add("p0", HASHES)
+    policy = make_placement_policy("kvcache-centric", index, estimators())
+    placement = policy.place(REQUEST, cluster([PrefillView("p0", queued_prefill_s=30), PrefillView("p1")]), 0)
+    assert placement.fetch_from == "p0"
+    index.add(placement.prefill_id, REQUEST.block_hashes[:placement.reuse_blocks])  # the fetch completed
+    assert index.holders(HASHES[-1]) == {"p0", "p1"}
+    again = policy.place(REQUEST, cluster([PrefillView("p0", queued_prefill_s=30), PrefillView("p1")]), 0)
+    assert again.prefill_id == "p1" and again.fetch_from is None  # the replica is now local
+
+
+def test_local_cache_aware_never_fetches():
+    index = PrefixIndex()
+    index.add("p0", HASHES)
+    policy = make_placement_policy("local-cache-aware", index, estimators())
+    placement = policy.place(REQUEST, cluster([PrefillView("p0", queued_prefill_s=20.0), PrefillView("p1")]), 0)
+    assert placement.prefill_id == "p1" and placement.reuse_blocks == 0 and placement.fetch_from is None
+
+
+def test_baselines():
+    index = PrefixIndex()
+    prefills = [PrefillView("p0", queued_prefill_s=3), PrefillView("p1", queued_prefill_s=1), PrefillView("p2")]
+    least = make_placement_policy("least-loaded", index, estimators())
+    assert least.place(REQUEST, cluster(prefills), 0).prefill_id == "p2"
+    rr = make_placement_policy("round-robin", index, estimators())
+    assert [rr.place(REQUEST, cluster(prefills), 0).prefill_id for _ in range(4)] == ["p0", "p1", "p2", "p0"]
+    def random_picks():
+        return [make_placement_policy("random", index, estimators(), seed=s).place(REQUEST, cluster(prefills), 0)
+                .prefill_id for s in range(20)]
+    picks = random_picks()
+    assert len(set(picks)) > 1 and picks == random_picks()  # spread out, and deterministic per seed
+
+
+def test_decode_goes_to_the_lowest_predicted_tbt():
+    index = PrefixIndex()
+    busy = DecodeView("d0", [DecodeLoad(0, 100, 1000)] * 8)
+    light = DecodeView("d1", [DecodeLoad(0, 100, 1000)] * 2)
+    policy = make_placement_policy("kvcache-centric", index, estimators())
+    placement = policy.place(REQUEST, cluster([PrefillView("p0")], [busy, light]), now=1.0)
+    assert placement.decode_id == "d1" and placement.tbt_s == pytest.approx(0.01 + 0.002 * 3)
+
+
+def test_unknown_policy_and_empty_cluster():
+    with pytest.raises(ConfigError, match="unknown placement policy 'best'"):
+        make_placement_policy("best", PrefixIndex(), estimators())
+    policy = make_placement_policy("random", PrefixIndex(), estimators())
+    assert policy.place(REQUEST, ClusterView([], [], BLOCK, BLOCK_BYTES), 0) is None
