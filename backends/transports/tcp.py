@@ -31,6 +31,8 @@ class TcpTransport(Transport):
         self._peers: dict[str, tuple[zmq.asyncio.Socket, asyncio.Task]] = {}
         self._pending: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
+        # What this endpoint served, per op: requests, block bytes, seconds spent handling them.
+        self.served = {op: {"requests": 0, "bytes": 0, "seconds": 0.0} for op in ("put", "get")}
 
     async def start(self, service=None, address=None) -> str:
         self.service = service
@@ -58,6 +60,21 @@ class TcpTransport(Transport):
     def _handle(self, frames) -> list:
         header = unpack_header(frames[0].buffer)
         request_id, data = header["id"], [f.buffer for f in frames[1:]]
+        if header["op"] in self.served:
+            start = time.perf_counter()
+            num_bytes, reply = self._serve_blocks(header, request_id, data)
+            served = self.served[header["op"]]
+            served["requests"] += 1
+            served["bytes"] += num_bytes
+            served["seconds"] += time.perf_counter() - start
+            return reply
+        if header["op"] == "release":
+            self._released(header)
+            return []
+        raise ValueError(f"unknown op {header['op']!r}")
+
+    def _serve_blocks(self, header: dict, request_id: str, data: list) -> tuple[int, list]:
+        """A put or get from a peer: (block bytes moved, reply frames)."""
         if header["op"] == "put":
             with self._incoming(header, data) as blocks:
                 if len(blocks) != len(header["keys"]):
@@ -65,15 +82,12 @@ class TcpTransport(Transport):
                 errors = []
                 for block in verify_blocks(header["keys"], header["sums"], blocks):
                     errors.append(self.service.put_block(block.key, block.data) if block.ok else block.error)
-            return [pack_header("put-reply", request_id, errors=errors)]
-        if header["op"] == "get":
-            found = [(k, d) for k in header["keys"] if (d := self.service.get_block(k)) is not None]
-            fields, frames_out = self._outgoing(found, request_id)
-            return [pack_header("get-reply", request_id, **fields), *frames_out]
-        if header["op"] == "release":
-            self._released(header)
-            return []
-        raise ValueError(f"unknown op {header['op']!r}")
+                num_bytes = sum(len(b) for b in blocks)
+            return num_bytes, [pack_header("put-reply", request_id, errors=errors)]
+        found = [(k, d) for k in header["keys"] if (d := self.service.get_block(k)) is not None]
+        fields, frames_out = self._outgoing(found, request_id)
+        num_bytes = sum(len(memoryview(d).cast("B")) for _, d in found)
+        return num_bytes, [pack_header("get-reply", request_id, **fields), *frames_out]
 
     def _released(self, header: dict) -> None:
         """A peer has read a fetch reply; staged transports free it (plain tcp has nothing to free)."""

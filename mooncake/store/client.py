@@ -151,6 +151,12 @@ class CacheClient:
                 held = [h or t is not None for h, t in zip(held, reply.tiers)]
         return next((i for i, h in enumerate(held) if not h), len(keys))
 
+    async def stats(self) -> dict[str, dict]:
+        """Each live node's counters (hits, misses, bytes, evictions, transfer rates), by control address."""
+        live = [n for n in self.nodes if n.is_up]
+        replies = await asyncio.gather(*(self._call(n, m.Stats()) for n in live))
+        return {n.control_address: r.stats for n, r in zip(live, replies)}
+
     async def stop(self) -> None:
         for transport in self.transports.values():
             await transport.stop()

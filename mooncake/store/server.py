@@ -117,11 +117,14 @@ class CacheServer:
         return m.ErrorReply(error=f"a cache node does not answer {request.TAG!r}")
 
     def stats(self) -> dict:
-        metrics = dataclasses.asdict(self.store.metrics)
+        # NOTE: not dataclasses.asdict: it rebuilds a Counter from (key, value) pairs, counting the pairs.
+        metrics = {f.name: getattr(self.store.metrics, f.name) for f in dataclasses.fields(self.store.metrics)}
         return {**{k: dict(v) if isinstance(v, dict) else v for k, v in metrics.items()},
                 "blocks": self.store.num_blocks(),
                 "used_bytes": {t.name: t.used_bytes for t in self.store.tiers},
-                "capacity_bytes": {t.name: t.capacity_bytes for t in self.store.tiers}}
+                "capacity_bytes": {t.name: t.capacity_bytes for t in self.store.tiers},
+                "transfers": {op: {**v, "gbytes_per_s": v["bytes"] / v["seconds"] / 1e9 if v["seconds"] else 0.0}
+                              for op, v in getattr(self.transport, "served", {}).items()}}
 
     async def _publish_events(self) -> None:
         while True:

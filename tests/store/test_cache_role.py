@@ -114,6 +114,11 @@ def test_put_get_match_prefix_and_events_across_processes(nodes, transport):
             assert await client.match_prefix(keys[:3] + [999] + keys[3:]) == 3
             event = m.decode(await asyncio.wait_for(sub.recv(), 5))
             assert isinstance(event, m.StoreEvents) and ["add", keys[0], "dram"] in event.events
+            (stats,) = (await client.stats()).values()
+            assert stats["transfers"]["put"]["bytes"] == sum(len(d) for _, d in data)
+            assert stats["transfers"]["get"]["bytes"] == sum(len(d) for _, d in data)
+            assert stats["transfers"]["put"]["gbytes_per_s"] > 0 and stats["hits"]["dram"] == len(data)
+            assert stats["misses"] == 1
         finally:
             sub.close(linger=0)
             await client.stop()
@@ -138,6 +143,26 @@ def test_malformed_message_gets_error_reply_and_node_keeps_serving(nodes):
     assert sock.poll(5000) and isinstance(m.decode(sock.recv()), m.StatsReply)
     sock.close()
     assert "malformed control message" in node.log.read_text()
+
+
+def test_concurrent_puts_of_one_key_from_two_clients(nodes):
+    node = nodes()
+
+    async def run():
+        a, b = client_for(node), client_for(node)
+        await a.start()
+        await b.start()
+        try:
+            block = [(77, b"same bytes" * 1000)]
+            results = await asyncio.gather(*[c.put_blocks(block) for c in (a, b) for _ in range(5)])
+            assert all(r[77] is None for r in results)
+            (stats,) = (await a.stats()).values()
+            assert stats["blocks"]["dram"] == 1
+            assert (await b.get_blocks([77]))[77] == block[0][1]
+        finally:
+            await a.stop()
+            await b.stop()
+    asyncio.run(run())
 
 
 def test_capacity_error_and_unknown_key_miss(nodes):
