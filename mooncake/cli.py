@@ -87,6 +87,31 @@ def serve(
     run_service(CacheServer(cfg))
 
 
+@app.command()
+def simulate(
+    trace: Path = typer.Option(..., "--trace", "-t", help="Trace file (JSON lines: timestamp, input_length, "
+                                                        "output_length, hash_ids)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML with [sim] and [conductor] tables."),
+    speed: Optional[float] = typer.Option(None, "--speed", help="Replay speed (overrides sim.speed)."),
+    out: Path = typer.Option(Path("sim-results"), "--out", "-o", help="Directory for report.json."),
+):
+    """Replay a trace through a simulated Mooncake (or vLLM-like) cluster on a simulated clock, with the
+    conductor's own policy classes, and report TTFT, TBT, effective capacity and rejections."""
+    from mooncake.config import load_config
+    from mooncake.sim.run import simulate as run_simulation
+    from mooncake.sim.run import write_report
+
+    cfg = load_config(config, {"sim.speed": speed} if speed else None)
+    result = run_simulation(trace, cfg, show_progress=sys.stderr.isatty())
+    path = write_report(result, out)
+    capacity = ", ".join(f"{k} {v:.1%}" for k, v in result["effective_capacity"].items())
+    print(f"{cfg.sim.mode}: {result['requests']} requests, {result['served']} served, rejected "
+          f"{result['rejected']}; mean TTFT {result['ttft_s']['mean']:.2f} s, p90 TBT "
+          f"{result['tbt_s']['p90'] * 1000:.0f} ms; effective capacity {capacity}; hit ratio "
+          f"{result['hit_ratio']:.1%}; {result['wall_s']:.1f} s wall")
+    print(f"wrote {path}")
+
+
 @model_app.command("fetch")
 def model_fetch(name: str = typer.Argument("smollm2-135m-instruct", help="Catalog model name.")):
     """Download and convert a catalog model once into $MOONCAKE_HOME (default ~/.cache/mooncake);

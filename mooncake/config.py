@@ -121,6 +121,35 @@ class ConductorConfig:
 
 
 @dataclass(frozen=True)
+class SimConfig:
+    """`mooncake simulate`: the simulated cluster (DESIGN section 8). Blocks are the trace's 512 tokens."""
+
+    mode: str = "mooncake"  # "mooncake" (disaggregated, global pool) or "vllm" (colocated baseline)
+    num_prefill: int = 8
+    num_decode: int = 8
+    num_instances: int = 16  # vllm mode
+    dram_blocks_per_node: int = 8192  # each prefill node's share of the KVCache pool
+    vllm_cache_blocks: int = 3000  # vllm mode: local prefix cache in spare HBM
+    prefix_caching: bool = True  # vllm mode
+    chunked_prefill: bool = True  # vllm mode
+    chunk_tokens: int = 8192
+    decode_kv_tokens: int = 1_500_000  # KV one instance's HBM holds for decoding
+    reject_at_decode: bool = False  # the rejection study's baseline: decode refuses what would break TBT
+    speed: float = 1.0  # trace time compression
+    block_tokens: int = 512
+    mfu: float = 0.45
+
+    def __post_init__(self):
+        _check(self.mode in ("mooncake", "vllm"), "sim.mode", "must be 'mooncake' or 'vllm'")
+        for key in ("num_prefill", "num_decode", "num_instances", "dram_blocks_per_node", "chunk_tokens",
+                    "decode_kv_tokens", "block_tokens"):
+            _check(getattr(self, key) > 0, f"sim.{key}", "must be > 0")
+        _check(self.vllm_cache_blocks >= 0, "sim.vllm_cache_blocks", "must be >= 0")
+        _check(self.speed > 0, "sim.speed", "must be > 0")
+        _check(0 < self.mfu <= 1, "sim.mfu", "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
 class MooncakeConfig:
     """The whole file. Sections for the serving roles join here as they are built."""
 
@@ -129,6 +158,7 @@ class MooncakeConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     cache_client: CacheClientConfig = field(default_factory=CacheClientConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
 
 
 def _check(ok: bool, key: str, why: str) -> None:

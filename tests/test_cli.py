@@ -67,3 +67,17 @@ def test_model_list_and_help():
     assert proc.returncode == 0 and "smollm2-135m-instruct" in proc.stdout and "tiny-llama" in proc.stdout
     proc = mooncake("generate", "--help")
     assert proc.returncode == 0 and "--max-tokens" in proc.stdout
+
+
+def test_simulate_reports_and_names_a_bad_trace_line(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]}\n'
+                     '{"timestamp": 500, "input_length": 1200, "output_length": 3, "hash_ids": [1, 2, 3]}\n')
+    proc = mooncake("simulate", "--trace", str(trace), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["requests"] == 2 and report["served"] == 2 and report["hit_ratio"] > 0
+    trace.write_text('{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]}\n{"oops"\n')
+    proc = mooncake("simulate", "--trace", str(trace), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "t.jsonl:2: bad trace line" in proc.stderr

@@ -1,6 +1,8 @@
 """Admission (early rejection): whether to serve a placed request, judged at its arrival.
 
-- `AcceptAll`: never rejects here (the rejection study's baseline rejects later, at decode).
+- `AcceptAll`: never rejects.
+- `TtftOnly`: rejects only a request whose TTFT would break the SLO; decode overload is found out late,
+  when the request reaches decode (the rejection study's baseline).
 - `EarlyRejection`: Algorithm 1's check on current load: reject if predicted TTFT > TTFT SLO or the
   decode instance's TBT with the request added, as of now, > TBT SLO.
 - `PredictiveRejection` (arXiv section 7): the decode load that matters is the one when the request
@@ -39,6 +41,13 @@ class AcceptAll(AdmissionPolicy):
         return None
 
 
+class TtftOnly(AdmissionPolicy):
+    def admit(self, request, placement, cluster, now):
+        if placement.ttft_s > self.ttft_slo_s:
+            return Rejection("ttft_slo", placement.ttft_s, placement.tbt_s)
+        return None
+
+
 class EarlyRejection(AdmissionPolicy):
     def admit(self, request, placement, cluster, now):
         if placement.ttft_s > self.ttft_slo_s:
@@ -59,7 +68,8 @@ class PredictiveRejection(AdmissionPolicy):
         return None
 
 
-ADMISSION = {"accept-all": AcceptAll, "early": EarlyRejection, "predictive": PredictiveRejection}
+ADMISSION = {"accept-all": AcceptAll, "ttft-only": TtftOnly, "early": EarlyRejection,
+             "predictive": PredictiveRejection}
 
 
 def make_admission_policy(name: str, decode_step: DecodeStepModel, ttft_slo_s: float,

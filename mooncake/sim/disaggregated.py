@@ -1,0 +1,198 @@
+"""A simulated Mooncake cluster: prefill and decode instances apart, every prefill node's DRAM pooled
+into one KVCache, and the conductor's own policy classes placing and admitting each request.
+
+Prefill instances run their queue one request at a time (reusing the chosen prefix, fetching it first
+when it lives elsewhere); new blocks join the node's pool and the global index. KV streams to decode
+layer by layer, so only the last layer's transfer shows; decode instances run continuous batching."""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mooncake.conductor.admission import make_admission_policy
+from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
+from mooncake.conductor.policies import Estimators, make_placement_policy
+from mooncake.conductor.prefix_index import PrefixIndex
+from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, PrefillView, RequestView
+from mooncake.config import ConductorConfig, SimConfig
+from mooncake.sim.cost import CostModel
+from mooncake.sim.events import EventLoop
+from mooncake.sim.metrics import RequestRecord
+from mooncake.sim.pool import NodePool
+from mooncake.sim.trace import TraceRequest
+
+
+@dataclass
+class _Job:
+    record: RequestRecord
+    hashes: tuple[int, ...]
+    decode_id: str
+    reuse_blocks: int
+    fetch_from: str | None
+    predicted_s: float  # the conductor's prefill-time estimate, for queue views
+    ready_s: float = 0.0  # predicted arrival at decode
+
+
+@dataclass
+class _Prefill:
+    instance_id: str
+    pool: NodePool
+    queue: deque = field(default_factory=deque)
+    queued_s: float = 0.0  # sum of the queue's predicted prefill times, kept as jobs come and go
+    busy_until: float = 0.0
+    busy: bool = False
+
+
+@dataclass
+class _Active:
+    record: RequestRecord
+    context: int
+    remaining: int
+
+
+@dataclass
+class _Decode:
+    instance_id: str
+    running: list = field(default_factory=list)
+    pending: list = field(default_factory=list)  # KV arrived, joins at the next step
+    incoming: dict = field(default_factory=dict)  # request id -> _Job still in prefill
+    stepping: bool = False
+    step_s: float = 0.0
+
+
+class DisaggregatedCluster:
+    def __init__(self, cfg: SimConfig, conductor: ConductorConfig, cost: CostModel):
+        self.cfg, self.cost = cfg, cost
+        self.loop = EventLoop()
+        self.index = PrefixIndex()
+        est = Estimators(PrefillTimeModel(*cost.prefill_coefficients()), DecodeStepModel(*cost.decode_coefficients()),
+                         BandwidthEstimator(cost.network_bytes_per_s))
+        self.est = est
+        kwargs = {"balancing_threshold": conductor.balancing_threshold} if conductor.placement == "kvcache-centric" \
+            else {}
+        self.policy = make_placement_policy(conductor.placement, self.index, est, **kwargs)
+        self.admission = make_admission_policy(conductor.admission, est.decode_step, conductor.ttft_slo_s,
+                                               conductor.tbt_slo_s)
+        self.tbt_slo_s = conductor.tbt_slo_s
+        self.ttft_slo_s = conductor.ttft_slo_s
+        self.prefills = {f"p{i}": _Prefill(f"p{i}", NodePool(cfg.dram_blocks_per_node)) for i in range(cfg.num_prefill)}
+        self.decodes = {f"d{i}": _Decode(f"d{i}") for i in range(cfg.num_decode)}
+        self.block_bytes = cost.kv_bytes(cfg.block_tokens)
+        self.records: list[RequestRecord] = []
+        self.prefill_gpu_s = 0.0
+
+    def run(self, trace: list[TraceRequest], progress=None) -> list[RequestRecord]:
+        for i, req in enumerate(trace):
+            self.loop.at(req.timestamp_ms / 1000 / self.cfg.speed, self._arrive, i, req)
+        self.loop.run(progress)
+        return self.records
+
+    # -- conductor ------------------------------------------------------------------------------
+
+    def _view(self, now: float) -> ClusterView:
+        prefills = [PrefillView(p.instance_id, max(0.0, p.busy_until - now) + p.queued_s, len(p.queue))
+                    for p in self.prefills.values()]
+        decodes = []
+        for d in self.decodes.values():
+            step = d.step_s or self.est.decode_step.predict(1, 0)
+            loads = [DecodeLoad(now, now + a.remaining * step, a.context) for a in d.running + d.pending]
+            # NOTE: requests due at decode beyond the TTFT SLO cannot change a decision made now; leaving
+            # them out keeps an overloaded run (thousands queued for prefill) from going quadratic.
+            horizon = now + self.ttft_slo_s
+            loads += [DecodeLoad(j.ready_s, j.ready_s + j.record.output_tokens * step, j.record.input_tokens)
+                      for j in d.incoming.values() if j.ready_s <= horizon]
+            decodes.append(DecodeView(d.instance_id, loads))
+        return ClusterView(prefills, decodes, block_size=self.cfg.block_tokens, block_bytes=self.block_bytes)
+
+    def _arrive(self, i: int, req: TraceRequest) -> None:
+        now = self.loop.now
+        record = RequestRecord(i, now, req.input_length, req.output_length)
+        self.records.append(record)
+        request = RequestView(str(i), req.input_length, req.hash_ids, req.output_length, now)
+        view = self._view(now)
+        placement = self.policy.place(request, view, now)
+        if placement is None or self.admission.admit(request, placement, view, now) is not None:
+            record.rejected_at = "arrival"
+            return
+        reused = min(placement.reuse_blocks * self.cfg.block_tokens, req.input_length - 1)
+        job = _Job(record, req.hash_ids, placement.decode_id, placement.reuse_blocks, placement.fetch_from,
+                   predicted_s=self.est.prefill_time.predict(req.input_length, reused) + placement.transfer_s,
+                   ready_s=now + placement.ttft_s)
+        self.decodes[placement.decode_id].incoming[i] = job
+        prefill = self.prefills[placement.prefill_id]
+        prefill.queue.append(job)
+        prefill.queued_s += job.predicted_s
+        if not prefill.busy:
+            self._start_prefill(prefill)
+
+    # -- prefill --------------------------------------------------------------------------------
+
+    def _start_prefill(self, p: _Prefill) -> None:
+        if not p.queue:
+            p.busy = False
+            return
+        job = p.queue.popleft()
+        p.queued_s = max(0.0, p.queued_s - job.predicted_s) if p.queue else 0.0
+        now = self.loop.now
+        n = job.record.input_tokens
+        local = p.pool.prefix_len(job.hashes)
+        fetched = 0
+        if job.fetch_from is not None and job.fetch_from in self.prefills:  # blocks may have gone since
+            fetched = max(0, min(job.reuse_blocks, self.prefills[job.fetch_from].pool.prefix_len(job.hashes)) - local)
+        reused = min((local + fetched) * self.cfg.block_tokens, n - 1)
+        compute_s = self.cost.prefill_s(n, reused)
+        self.prefill_gpu_s += compute_s
+        job.record.cached_tokens = reused
+        p.busy, p.busy_until = True, now + self.cost.transfer_s(fetched * self.block_bytes) + compute_s
+        self.loop.at(p.busy_until, self._prefill_done, p, job)
+
+    def _prefill_done(self, p: _Prefill, job: _Job) -> None:
+        now = self.loop.now
+        job.record.token_times.append(now)  # prefill yields the first token
+        added, evicted = p.pool.insert(job.hashes)  # new blocks, and fetched ones: a local replica
+        self.index.add(p.instance_id, added)
+        self.index.remove(p.instance_id, evicted)
+        decode = self.decodes[job.decode_id]
+        decode.incoming.pop(job.record.request_id, None)
+        if job.record.output_tokens > 1:
+            # Layer-wise streaming: all but the last layer's KV moved while later layers computed.
+            last_layer_s = self.cost.transfer_s(self.cost.kv_bytes(job.record.input_tokens)) / self.cost.layers
+            self.loop.at(now + last_layer_s, self._kv_arrived, decode, job.record)
+        self._start_prefill(p)
+
+    # -- decode ---------------------------------------------------------------------------------
+
+    def _kv_arrived(self, d: _Decode, record: RequestRecord) -> None:
+        if self.cfg.reject_at_decode:
+            batch = len(d.running) + len(d.pending) + 1
+            context = sum(a.context for a in d.running + d.pending) + record.input_tokens
+            if self.est.decode_step.predict(batch, context) > self.tbt_slo_s:
+                record.rejected_at = "decode"  # its prefill was wasted
+                return
+        d.pending.append(_Active(record, record.input_tokens + 1, record.output_tokens - 1))
+        if not d.stepping:
+            self._step(d)
+
+    def _step(self, d: _Decode) -> None:
+        budget = self.cfg.decode_kv_tokens - sum(a.context for a in d.running)
+        while d.pending and (d.pending[0].context + d.pending[0].remaining <= budget or not d.running):
+            active = d.pending.pop(0)
+            budget -= active.context + active.remaining
+            d.running.append(active)
+        if not d.running:
+            d.stepping = False
+            return
+        d.stepping = True
+        d.step_s = self.cost.decode_step_s(len(d.running), sum(a.context for a in d.running))
+        self.loop.at(self.loop.now + d.step_s, self._step_done, d)
+
+    def _step_done(self, d: _Decode) -> None:
+        now = self.loop.now
+        still = []
+        for a in d.running:
+            a.record.token_times.append(now)
+            a.context += 1
+            a.remaining -= 1
+            if a.remaining > 0:
+                still.append(a)
+        d.running = still
+        self._step(d)
