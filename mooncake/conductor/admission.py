@@ -29,6 +29,12 @@ class AdmissionPolicy(ABC):
               now: float) -> Rejection | None:
         """None to serve the request, else why not."""
 
+    def ttft_rejection(self, placement: Placement) -> Rejection | None:
+        """The check every rejecting policy starts with: would the first token come too late?"""
+        if placement.ttft_s > self.ttft_slo_s:
+            return Rejection("ttft_slo", placement.ttft_s, placement.tbt_s)
+        return None
+
     def decode_load(self, request: RequestView, placement: Placement, cluster: ClusterView, at: float) -> float:
         """TBT / TBT SLO of the chosen decode instance at time `at`, with this request added."""
         decode = next(d for d in cluster.decodes if d.instance_id == placement.decode_id)
@@ -43,15 +49,13 @@ class AcceptAll(AdmissionPolicy):
 
 class TtftOnly(AdmissionPolicy):
     def admit(self, request, placement, cluster, now):
-        if placement.ttft_s > self.ttft_slo_s:
-            return Rejection("ttft_slo", placement.ttft_s, placement.tbt_s)
-        return None
+        return self.ttft_rejection(placement)
 
 
 class EarlyRejection(AdmissionPolicy):
     def admit(self, request, placement, cluster, now):
-        if placement.ttft_s > self.ttft_slo_s:
-            return Rejection("ttft_slo", placement.ttft_s, placement.tbt_s)
+        if (rejection := self.ttft_rejection(placement)) is not None:
+            return rejection
         if self.decode_load(request, placement, cluster, now) > 1.0:
             return Rejection("tbt_slo", placement.ttft_s, placement.tbt_s)
         return None
@@ -59,8 +63,8 @@ class EarlyRejection(AdmissionPolicy):
 
 class PredictiveRejection(AdmissionPolicy):
     def admit(self, request, placement, cluster, now):
-        if placement.ttft_s > self.ttft_slo_s:
-            return Rejection("ttft_slo", placement.ttft_s, placement.tbt_s)
+        if (rejection := self.ttft_rejection(placement)) is not None:
+            return rejection
         arrives = now + placement.ttft_s
         load = self.decode_load(request, placement, cluster, arrives)
         if load > 1.0:

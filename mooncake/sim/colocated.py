@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from mooncake.config import SimConfig
 from mooncake.sim.cost import CostModel
-from mooncake.sim.events import EventLoop
+from mooncake.sim.cluster import SimulatedCluster
 from mooncake.sim.metrics import RequestRecord
 from mooncake.sim.pool import NodePool
 from mooncake.sim.trace import TraceRequest
@@ -31,20 +31,11 @@ class _Instance:
     stepping: bool = False
 
 
-class ColocatedCluster:
+class ColocatedCluster(SimulatedCluster):
     def __init__(self, cfg: SimConfig, cost: CostModel):
-        self.cfg, self.cost = cfg, cost
-        self.loop = EventLoop()
+        super().__init__(cfg, cost)
         capacity = cfg.vllm_cache_blocks if cfg.prefix_caching else 0
         self.instances = [_Instance(i, NodePool(capacity)) for i in range(cfg.num_instances)]
-        self.records: list[RequestRecord] = []
-        self.prefill_gpu_s = 0.0
-
-    def run(self, trace: list[TraceRequest], progress=None) -> list[RequestRecord]:
-        for i, req in enumerate(trace):
-            self.loop.at(req.timestamp_ms / 1000 / self.cfg.speed, self._arrive, i, req)
-        self.loop.run(progress)
-        return self.records
 
     def _arrive(self, i: int, req: TraceRequest) -> None:
         record = RequestRecord(i, self.loop.now, req.input_length, req.output_length)

@@ -15,7 +15,7 @@ from mooncake.conductor.prefix_index import PrefixIndex
 from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, PrefillView, RequestView
 from mooncake.config import ConductorConfig, SimConfig
 from mooncake.sim.cost import CostModel
-from mooncake.sim.events import EventLoop
+from mooncake.sim.cluster import SimulatedCluster
 from mooncake.sim.metrics import RequestRecord
 from mooncake.sim.pool import NodePool
 from mooncake.sim.trace import TraceRequest
@@ -59,10 +59,9 @@ class _Decode:
     step_s: float = 0.0
 
 
-class DisaggregatedCluster:
+class DisaggregatedCluster(SimulatedCluster):
     def __init__(self, cfg: SimConfig, conductor: ConductorConfig, cost: CostModel):
-        self.cfg, self.cost = cfg, cost
-        self.loop = EventLoop()
+        super().__init__(cfg, cost)
         self.index = PrefixIndex()
         est = Estimators(PrefillTimeModel(*cost.prefill_coefficients()), DecodeStepModel(*cost.decode_coefficients()),
                          BandwidthEstimator(cost.network_bytes_per_s))
@@ -77,14 +76,7 @@ class DisaggregatedCluster:
         self.prefills = {f"p{i}": _Prefill(f"p{i}", NodePool(cfg.dram_blocks_per_node)) for i in range(cfg.num_prefill)}
         self.decodes = {f"d{i}": _Decode(f"d{i}") for i in range(cfg.num_decode)}
         self.block_bytes = cost.kv_bytes(cfg.block_tokens)
-        self.records: list[RequestRecord] = []
-        self.prefill_gpu_s = 0.0
 
-    def run(self, trace: list[TraceRequest], progress=None) -> list[RequestRecord]:
-        for i, req in enumerate(trace):
-            self.loop.at(req.timestamp_ms / 1000 / self.cfg.speed, self._arrive, i, req)
-        self.loop.run(progress)
-        return self.records
 
     # -- conductor ------------------------------------------------------------------------------
 
