@@ -39,7 +39,11 @@ class TcpTransport(Transport):
         if service is not None:
             self._server = self.ctx.socket(zmq.ROUTER)
             self._server.setsockopt(zmq.LINGER, 0)
-            self._server.bind(address or f"tcp://{self.host}:*")
+            try:
+                self._server.bind(address or f"tcp://{self.host}:*")
+            except zmq.ZMQError as exc:
+                self._server.close(linger=0)
+                raise TransferError(f"{self.name} transport cannot listen on {address}: {exc}") from None
             self.address = self._server.getsockopt_string(zmq.LAST_ENDPOINT)
             self._tasks.append(asyncio.create_task(self._serve()))
         return self.address or ""

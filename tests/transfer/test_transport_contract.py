@@ -173,3 +173,17 @@ def test_shm_leaves_no_shared_memory_files_behind():
             await server.stop()
     asyncio.run(run())
     assert ours() == set()
+
+
+def test_tcp_address_in_use_is_a_clear_error():
+    async def run():
+        first = load_backend("transports", "tcp")()
+        address = await first.start(DictService())
+        second = load_backend("transports", "tcp")()
+        try:
+            with pytest.raises(TransferError, match=f"cannot listen on {address}"):
+                await second.start(DictService(), address)
+        finally:
+            await second.stop()
+            await first.stop()
+    asyncio.run(run())
