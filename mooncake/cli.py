@@ -91,25 +91,50 @@ def serve(
 def simulate(
     trace: Path = typer.Option(..., "--trace", "-t", help="Trace file (JSON lines: timestamp, input_length, "
                                                         "output_length, hash_ids)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML with [sim] and [conductor] tables."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML with sim and conductor tables."),
     speed: Optional[float] = typer.Option(None, "--speed", help="Replay speed (overrides sim.speed)."),
-    out: Path = typer.Option(Path("sim-results"), "--out", "-o", help="Directory for report.json."),
+    out: Path = typer.Option(Path("sim-results"), "--out", "-o", help="Directory for report.json and plots."),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots (needs matplotlib)."),
+    sweep_speeds: Optional[str] = typer.Option(None, "--sweep", help="Comma-separated speeds to sweep, e.g. "
+                                               "1,1.5,2; with --pd, every prefill:decode split at each speed."),
+    pd: Optional[str] = typer.Option(None, "--pd", help="Prefill:decode splits to sweep, e.g. 6:10,8:8,10:6."),
 ):
     """Replay a trace through a simulated Mooncake (or vLLM-like) cluster on a simulated clock, with the
     conductor's own policy classes, and report TTFT, TBT, effective capacity and rejections."""
     from mooncake.config import load_config
-    from mooncake.sim.run import simulate as run_simulation
-    from mooncake.sim.run import write_report
+    from mooncake.errors import ConfigError
+    from mooncake.sim import run as sim_run
 
     cfg = load_config(config, {"sim.speed": speed} if speed else None)
-    result = run_simulation(trace, cfg, show_progress=sys.stderr.isatty())
-    path = write_report(result, out)
+    if sweep_speeds or pd:
+        try:
+            speeds = [float(x) for x in sweep_speeds.split(",")] if sweep_speeds else [cfg.sim.speed]
+            splits = [tuple(int(v) for v in x.split(":")) for x in pd.split(",")] if pd else []
+        except ValueError:
+            raise ConfigError("--sweep takes speeds like 1,1.5,2 and --pd splits like 6:10,8:8") from None
+        rows = sim_run.sweep(trace, cfg, speeds, splits)
+        print(f"{'speed':>6}{'P:D':>7}{'cap@100ms':>11}{'cap@200ms':>11}{'cap@300ms':>11}{'mean TTFT':>11}"
+              f"{'rejected':>10}")
+        for r in rows:
+            c = r["capacity"]
+            print(f"{r['speed']:>6g}{r['prefill']:>4}:{r['decode']:<3}{c['100ms']:>10.1%}{c['200ms']:>11.1%}"
+                  f"{c['300ms']:>11.1%}{r['mean_ttft_s']:>10.2f}s{r['rejected']:>10}")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sweep.json").write_text(json.dumps(rows, indent=2))
+        print(f"wrote {out / 'sweep.json'}")
+        return
+    result = sim_run.simulate(trace, cfg, show_progress=sys.stderr.isatty())
+    path = sim_run.write_report(result, out)
     capacity = ", ".join(f"{k} {v:.1%}" for k, v in result["effective_capacity"].items())
     print(f"{cfg.sim.mode}: {result['requests']} requests, {result['served']} served, rejected "
           f"{result['rejected']}; mean TTFT {result['ttft_s']['mean']:.2f} s, p90 TBT "
           f"{result['tbt_s']['p90'] * 1000:.0f} ms; effective capacity {capacity}; hit ratio "
           f"{result['hit_ratio']:.1%}; {result['wall_s']:.1f} s wall")
     print(f"wrote {path}")
+    if plots:
+        from mooncake.sim.plots import write_plots
+        for png in write_plots({cfg.sim.mode: result}, out):
+            print(f"wrote {png}")
 
 
 @model_app.command("fetch")

@@ -15,6 +15,13 @@ sys.path.insert(0, str(ROOT))
 from mooncake.config import load_config  # noqa: E402
 from mooncake.sim.run import simulate  # noqa: E402
 
+PLOTS = True
+try:
+    from mooncake.sim.plots import write_plots  # noqa: E402
+    import matplotlib  # noqa: F401,E402
+except ImportError:
+    PLOTS = False
+
 PAPER_CAPACITY_GAIN = {"100ms": 4.98, "200ms": 1.57, "300ms": 0.59}
 PAPER_TTFT = {"kvcache-centric": 3.07, "local-cache-aware": 3.58, "least-loaded": 5.27, "random": 19.65}
 PAPER_REJECTED = {"ttft-only": 4183, "early": 3771, "predictive": 3589}
@@ -58,12 +65,14 @@ def main() -> None:
     print(f"\nrejected requests, 8P+8D, 2x speed, TBT SLO {args.rejection_tbt_slo * 1000:.0f} ms")
     print(f"{'admission':<14}{'at arrival':>11}{'at decode':>11}{'total':>8}{'paper':>8}")
     results["rejection"] = {}
+    rejection_runs = {}
     for admission, paper in PAPER_REJECTED.items():
         r = run(args.trace, "configs/sim/mooncake-8p8d.toml", **{
             "conductor.admission": admission, "sim.reject_at_decode": True, "sim.speed": 2.0,
             "conductor.tbt_slo_s": args.rejection_tbt_slo})
         total = sum(r["rejected"].values())
         results["rejection"][admission] = {**r["rejected"], "total": total, "paper": paper}
+        rejection_runs[admission] = r
         print(f"{admission:<14}{r['rejected']['arrival']:>11}{r['rejected']['decode']:>11}{total:>8}{paper:>8}")
 
     print(f"\nspeed: the whole trace simulated in {ours['wall_s']:.1f} s (Mooncake) and {vllm['wall_s']:.1f} s "
@@ -73,6 +82,11 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
+    if PLOTS:
+        for png in write_plots({"Mooncake 8P8D": ours, "vLLM x16": vllm}, out.parent / "sim_capacity"):
+            print(f"wrote {png}")
+        for png in write_plots(rejection_runs, out.parent / "sim_rejection"):
+            print(f"wrote {png}")
 
 
 if __name__ == "__main__":

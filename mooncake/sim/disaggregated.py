@@ -116,6 +116,14 @@ class DisaggregatedCluster(SimulatedCluster):
         if not prefill.busy:
             self._start_prefill(prefill)
 
+    def loads(self) -> tuple[float, float]:
+        """The worst instance of each pool: prefill = queued work / TTFT SLO, decode = step time / TBT SLO."""
+        now = self.loop.now
+        prefill = max(max(0.0, p.busy_until - now) + p.queued_s for p in self.prefills.values())
+        decode = max(self.cost.decode_step_s(len(d.running), sum(a.context for a in d.running))
+                     for d in self.decodes.values())
+        return prefill / self.ttft_slo_s, decode / self.tbt_slo_s
+
     # -- prefill --------------------------------------------------------------------------------
 
     def _start_prefill(self, p: _Prefill) -> None:

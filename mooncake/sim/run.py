@@ -24,6 +24,10 @@ def simulate(trace_path: str | Path, config: MooncakeConfig, show_progress: bool
     started = time.perf_counter()
     records = cluster.run(trace, _progress(end_s) if show_progress else None)
     result = report(records, prefill_gpu_s=cluster.prefill_gpu_s)
+    result["load_over_time"] = [[round(v, 4) for v in sample] for sample in cluster.load_samples]
+    served = [r for r in records if r.rejected_at is None and r.token_times]
+    result["per_request"] = {"ttft_s": [round(r.ttft_s, 4) for r in served],
+                             "tbt_s": [round(r.tbt_s, 5) for r in served]}
     result["config"] = {"sim": vars(config.sim), "conductor": vars(config.conductor)}
     result["wall_s"] = time.perf_counter() - started
     return result
@@ -48,3 +52,19 @@ def write_report(result: dict, out_dir: str | Path) -> Path:
     path = out / "report.json"
     path.write_text(json.dumps(result, indent=2))
     return path
+
+
+def sweep(trace_path: str | Path, config: MooncakeConfig, speeds: list[float],
+          pd_ratios: list[tuple[int, int]]) -> list[dict]:
+    """One run per (speed, prefill:decode split); rows of the headline figures."""
+    from dataclasses import replace
+    rows = []
+    for speed in speeds:
+        for num_prefill, num_decode in pd_ratios or [(config.sim.num_prefill, config.sim.num_decode)]:
+            sim = replace(config.sim, speed=speed, num_prefill=num_prefill, num_decode=num_decode)
+            result = simulate(trace_path, replace(config, sim=sim))
+            rows.append({"speed": speed, "prefill": num_prefill, "decode": num_decode,
+                         "capacity": result["effective_capacity"], "mean_ttft_s": result["ttft_s"]["mean"],
+                         "p90_tbt_s": result["tbt_s"]["p90"], "rejected": sum(result["rejected"].values()),
+                         "wall_s": result["wall_s"]})
+    return rows

@@ -78,3 +78,25 @@ def test_mooncake_serves_more_within_slo_than_vllm_and_most_at_the_strictest_tbt
     assert all(g > 0 for g in gains)
     assert gains[0] > gains[1] > gains[2]  # the gain shrinks as the TBT threshold loosens
 
+
+
+def test_plots_and_load_samples(tmp_path):
+    pytest.importorskip("matplotlib")
+    from mooncake.sim.plots import capacity_curve, write_plots
+    result = simulate(small_trace(tmp_path), config())
+    assert result["load_over_time"] and all(len(s) == 3 for s in result["load_over_time"])
+    curve = capacity_curve(result)
+    assert all(a <= b for a, b in zip(curve, curve[1:]))  # looser threshold, never fewer requests
+    paths = write_plots({"a": result, "b": result}, tmp_path / "plots")
+    assert {p.name for p in paths} == {"ttft_cdf.png", "tbt_cdf.png", "capacity_vs_threshold.png",
+                                       "load_over_time.png"}
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_sweep_runs_every_speed_and_split(tmp_path):
+    from mooncake.sim.run import sweep
+    rows = sweep(small_trace(tmp_path), config(), speeds=[1.0, 4.0], pd_ratios=[(2, 2), (3, 1)])
+    assert [(r["speed"], r["prefill"], r["decode"]) for r in rows] == [(1.0, 2, 2), (1.0, 3, 1), (4.0, 2, 2),
+                                                                       (4.0, 3, 1)]
+    by = {(r["speed"], r["prefill"]): r for r in rows}
+    assert by[(4.0, 2)]["mean_ttft_s"] >= by[(1.0, 2)]["mean_ttft_s"]  # more load, no faster first tokens
