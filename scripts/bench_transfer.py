@@ -221,14 +221,8 @@ async def bench_store(config_path: Path, control: str, sizes: list[int], budget:
                              str(config_path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         client = CacheClient(CacheClientConfig(nodes=(control,), timeout_s=30))
-        for _ in range(100):  # wait for the node to answer
-            try:
-                await client.start()
-                break
-            except Exception:  # noqa: BLE001  not up yet
-                await client.stop()
-                client = CacheClient(CacheClientConfig(nodes=(control,), timeout_s=0.3))
-        client.config = CacheClientConfig(nodes=(control,), timeout_s=30)
+        # ZeroMQ queues the hello until the node is listening, so this also waits for it to start.
+        await client.start()
         results, key = {}, 1
         for size in sizes:
             payload = np.random.default_rng(3).integers(0, 255, size, dtype=np.uint8).tobytes()
