@@ -1,4 +1,4 @@
-"""The `mooncake` command: `generate`, and `model fetch|list`. Serving roles join here later.
+"""The `mooncake` command: `generate`, `serve --role`, `dev`, `simulate`, and `model fetch|list`.
 
 Every deliberate error (`MooncakeError`) becomes one line on stderr and exit status 1, no traceback."""
 
@@ -68,23 +68,70 @@ ROLES = ("conductor", "prefill", "decode", "cache")
 @app.command()
 def serve(
     role: str = typer.Option(..., "--role", "-r", help=f"One of: {', '.join(ROLES)}."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (see configs/)."),
 ):
     """Run one mooncake role until Ctrl-C or SIGTERM.
 
-    cache: a KVCache store node, configured by the store and cache tables of the file: blocks over the
-    configured transport, control requests and store events over ZeroMQ. The other roles come later."""
+    conductor: the OpenAI-compatible REST endpoint ([api]) and the global scheduler ([conductor]); prefill
+    and decode instances register with it. prefill / decode: an engine ([engine]) serving the conductor at
+    [instance].conductor_address; KV moves prefill -> decode over [instance].transport, and prefill reads
+    and writes the cache pool ([cache_client]). cache: a KVCache store node ([store], [cache])."""
     from mooncake.config import load_config
     from mooncake.errors import ConfigError
     from mooncake.runtime import run_service
 
     if role not in ROLES:
         raise ConfigError(f"unknown role '{role}': choose one of {', '.join(ROLES)}")
-    cfg = load_config(config)
-    if role != "cache":
-        raise MooncakeError(f"role '{role}' is not built yet; only 'cache' runs in this version")
-    from mooncake.store.server import CacheServer
-    run_service(CacheServer(cfg))
+    run_service(make_role(role, load_config(config)))
+
+
+def make_role(role: str, cfg):
+    """The service object of one role, not started."""
+    if role == "cache":
+        from mooncake.store.server import CacheServer
+        return CacheServer(cfg)
+    if role == "prefill":
+        from mooncake.prefill.worker import PrefillWorker
+        return PrefillWorker(cfg)
+    if role == "decode":
+        from mooncake.decode.worker import DecodeWorker
+        return DecodeWorker(cfg)
+    from mooncake.api.server import ApiServer
+    from mooncake.conductor.service import Conductor
+    from mooncake.runtime import ServiceStack
+    conductor = Conductor(cfg)
+    return ServiceStack("conductor", [conductor, ApiServer(cfg, conductor)])
+
+
+@app.command()
+def dev(
+    prefill: int = typer.Option(1, "--prefill", "-P", help="Prefill instances."),
+    decode: int = typer.Option(1, "--decode", "-D", help="Decode instances."),
+    cache: int = typer.Option(1, "--cache", "-C", help="Cache nodes (0: no shared KVCache pool)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Catalog name or local Hugging Face "
+                                        "directory. Default: the config's engine.model (SmolLM2-135M-Instruct)."),
+    port: int = typer.Option(8000, "--port", "-p", help="HTTP port of the OpenAI API (0: any free port)."),
+    transport: Optional[str] = typer.Option(None, "--transport", help="KV transport: tcp, shm, mooncake. "
+                                            "Default: the config's instance.transport (tcp)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Base TOML config for every process."),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", help="Where to write each process's config "
+                                           "(default: a new temp directory)."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for every instance to be ready."),
+):
+    """Run a whole cluster on this box: one process per role on loopback, the REST API at
+    http://127.0.0.1:PORT/v1. Prints the URL once every instance is ready; Ctrl-C or SIGTERM stops all."""
+    from mooncake.config import load_config
+    from mooncake.dev import DevCluster, run_dev
+    from mooncake.models import resolve_model
+
+    overrides = {"api.port": port}
+    if model:
+        overrides["engine.model"] = model
+    if transport:
+        overrides["instance.transport"] = transport
+    cfg = load_config(config, overrides)
+    resolve_model(cfg.engine.model)  # fetch once here, not in every process at the same time
+    run_dev(DevCluster(cfg, prefill, decode, cache, workdir), timeout)
 
 
 @app.command()

@@ -103,21 +103,82 @@ class CacheClientConfig:
 
 @dataclass(frozen=True)
 class ConductorConfig:
-    """The conductor's scheduling (mooncake/conductor/): placement, early rejection and their SLOs."""
+    """The conductor (mooncake/conductor/): placement, early rejection, their SLOs and seeds, and how it
+    keeps track of its instances."""
 
     placement: str = "kvcache-centric"  # or local-cache-aware, least-loaded, round-robin, random
-    admission: str = "predictive"  # or early, accept-all
+    admission: str = "predictive"  # or early, ttft-only, accept-all
     balancing_threshold: float = 2.0  # fetch the pool's longer prefix when it is this many times the local one
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
+    control_address: str = "tcp://127.0.0.1:7700"  # instances register, heartbeat and report here
+    heartbeat_interval_s: float = 0.5  # told to each instance when it registers
+    heartbeat_timeout_s: float = 3.0  # silent this long: the instance is dead, its requests fail
+    prefill_timeout_s: float = 120.0  # placement to first token, at most
+    token_timeout_s: float = 30.0  # longest wait for the next token of a decoding request
+    # Seeds of the online models (refitted from measurements): prefill s = c0 + c1*n + c2*n^2 for n new
+    # tokens; decode step s = a + b*batch + c*context tokens; KV bandwidth between holders.
+    prefill_c0_s: float = 0.02
+    prefill_s_per_token: float = 2e-3
+    prefill_s_per_token2: float = 1e-7
+    decode_step_s: float = 0.03
+    decode_s_per_seq: float = 2e-3
+    decode_s_per_context_token: float = 1e-6
+    bandwidth_bytes_per_s: float = 1e9
 
     def __post_init__(self):
         from mooncake.conductor.admission import ADMISSION
         from mooncake.conductor.policies import POLICIES
         _check(self.placement in POLICIES, "conductor.placement", f"must be one of {', '.join(POLICIES)}")
         _check(self.admission in ADMISSION, "conductor.admission", f"must be one of {', '.join(ADMISSION)}")
-        for key in ("balancing_threshold", "ttft_slo_s", "tbt_slo_s"):
+        for key in ("balancing_threshold", "ttft_slo_s", "tbt_slo_s", "heartbeat_interval_s",
+                    "heartbeat_timeout_s", "prefill_timeout_s", "token_timeout_s", "bandwidth_bytes_per_s"):
             _check(getattr(self, key) > 0, f"conductor.{key}", "must be > 0")
+        for key in ("prefill_c0_s", "prefill_s_per_token", "prefill_s_per_token2", "decode_step_s",
+                    "decode_s_per_seq", "decode_s_per_context_token"):
+            _check(getattr(self, key) >= 0, f"conductor.{key}", "must be >= 0")
+        _check(self.heartbeat_timeout_s > self.heartbeat_interval_s, "conductor.heartbeat_timeout_s",
+               "must be longer than conductor.heartbeat_interval_s")
+        _check("://" in self.control_address, "conductor.control_address",
+               "must be a ZeroMQ address like tcp://127.0.0.1:7700")
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """The conductor's OpenAI-compatible HTTP endpoint (mooncake/api/)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str = ""  # non-empty: every /v1 request needs "Authorization: Bearer <api_key>"
+    model_name: str = ""  # the name clients use in "model"; empty: engine.model
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 512  # chat requests that name no max_tokens (capped by the context left)
+
+    def __post_init__(self):
+        _check(0 <= self.port < 65536, "api.port", "must be a TCP port (0 picks a free one)")
+        _check(self.default_max_tokens > 0, "api.default_max_tokens", "must be > 0")
+        _check(self.max_body_bytes > 0, "api.max_body_bytes", "must be > 0")
+
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """A prefill or decode instance: its name, its conductor, and how KV reaches it."""
+
+    instance_id: str = ""  # empty: "<role>-<pid>"
+    conductor_address: str = "tcp://127.0.0.1:7700"
+    transport: str = "tcp"  # KV between prefill and decode: tcp, shm (same host), mooncake, inproc
+    data_address: str = ""  # decode's KV inbox; empty: any free loopback port
+    use_cache_pool: bool = True  # prefill reads reused blocks from, and writes new ones to, the cache nodes
+    kv_inbox_ttl_s: float = 60.0  # decode drops KV no request claimed within this long
+
+    def __post_init__(self):
+        _check(self.transport in TRANSPORTS, "instance.transport", f"must be one of {', '.join(TRANSPORTS)}")
+        _check("://" in self.conductor_address, "instance.conductor_address",
+               "must be a ZeroMQ address like tcp://127.0.0.1:7700")
+        _check(self.kv_inbox_ttl_s > 0, "instance.kv_inbox_ttl_s", "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -151,13 +212,15 @@ class SimConfig:
 
 @dataclass(frozen=True)
 class MooncakeConfig:
-    """The whole file. Sections for the serving roles join here as they are built."""
+    """The whole file: one table per component."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     cache_client: CacheClientConfig = field(default_factory=CacheClientConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    instance: InstanceConfig = field(default_factory=InstanceConfig)
     sim: SimConfig = field(default_factory=SimConfig)
 
 
@@ -231,3 +294,26 @@ def _coerce(hint, value, dotted: str):
             raise ConfigError(f"config key '{dotted}' must be {hint.__name__}, got {value!r}")
         return value
     return value
+
+
+def dump_config(config: MooncakeConfig) -> str:
+    """TOML text of a whole config (what `mooncake dev` writes for each process it starts)."""
+    lines = []
+    for section in dataclasses.fields(config):
+        lines.append(f"[{section.name}]")
+        for f in dataclasses.fields(getattr(config, section.name)):
+            lines.append(f"{f.name} = {_toml_value(getattr(getattr(config, section.name), f.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ConfigError(f"cannot write {value!r} as TOML")

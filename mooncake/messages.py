@@ -2,8 +2,8 @@
 
 A message is a frozen dataclass registered under a tag; on the wire it is a msgpack map
 {"t": tag, "v": version, **fields}. Decoding checks tag, version and fields and raises MessageError,
-so a malformed message is answered with an ErrorReply, never parsed by position. The cache role's
-messages live here now; the conductor's, prefill's and decode's join them."""
+so a malformed message is answered with an ErrorReply, never parsed by position. Two groups: the
+cache role's control messages, and those between the conductor and its prefill and decode instances."""
 
 import dataclasses
 from dataclasses import dataclass, field
@@ -121,3 +121,106 @@ class StoreEvents:
 @message("error")
 class ErrorReply:
     error: str
+
+
+# -- conductor <-> instances (one DEALER per instance to the conductor's ROUTER) -----------------------
+
+@message("register")
+class Register:
+    """Instance -> conductor, on start: who it is, what it runs, where peers send it KV."""
+
+    instance_id: str
+    role: str  # "prefill" or "decode"
+    model_id: str
+    block_size: int
+    transport: str = ""  # decode: the transport its KV inbox listens on
+    data_address: str = ""
+    num_kv_blocks: int = 0
+
+
+@message("register_reply")
+class RegisterReply:
+    accepted: bool
+    error: str = ""
+    heartbeat_interval_s: float = 0.5
+
+
+@message("heartbeat")
+class Heartbeat:
+    """Instance -> conductor, every heartbeat interval: its load and what it measured since the last."""
+
+    instance_id: str
+    num_waiting: int = 0
+    num_running: int = 0
+    num_kv_blocks_used: int = 0  # blocks some request holds (not merely cached)
+    num_kv_blocks: int = 0
+    step_samples: list = field(default_factory=list)  # decode: [batch, context tokens, seconds] per step
+    cached_blocks: list = field(default_factory=list)  # prefill: hashes newly in its local prefix cache
+    evicted_blocks: list = field(default_factory=list)
+
+
+@message("prefill")
+class Prefill:
+    """Conductor -> prefill: compute this prompt's KV, emit the first token, push the KV to decode."""
+
+    request_id: str
+    token_ids: list[int]
+    block_hashes: list[int]
+    sampling: dict  # SamplingParams fields, without stop strings (the conductor matches those)
+    decode_id: str
+    decode_transport: str
+    decode_address: str
+    reuse_blocks: int = 0  # leading blocks the pool holds that this instance should read, not compute
+    deadline_s: float = 60.0  # seconds from receipt to finish prefill and hand off
+
+
+@message("prefill_done")
+class PrefillDone:
+    """Prefill -> conductor: the first token is out and the prompt's full blocks are in decode's inbox."""
+
+    request_id: str
+    first_token: int
+    finish_reason: str | None  # set when the first token already ends the request
+    num_cached_tokens: int  # reused from the local cache or the pool
+    num_computed_tokens: int  # prompt tokens this instance actually ran through the model
+    num_kv_blocks_sent: int
+    kv_bytes: int  # sent to decode
+    kv_seconds: float
+    prefill_seconds: float
+    fetched_bytes: int = 0  # read from the cache pool for reuse
+    fetch_seconds: float = 0.0
+
+
+@message("decode")
+class Decode:
+    """Conductor -> decode: continue a request whose prefix KV sits in this instance's inbox."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + the first token
+    block_hashes: list[int]  # of the prompt's full blocks
+    sampling: dict  # max_tokens already counts the first token out
+
+
+@message("tokens")
+class Tokens:
+    """Decode -> conductor: new tokens of one request; `finish_reason` set on its last message."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@message("cancel")
+class Cancel:
+    """Conductor -> instance: drop the request and free every block it holds."""
+
+    request_id: str
+
+
+@message("request_failed")
+class RequestFailed:
+    """Instance -> conductor: the request cannot go on here, and why."""
+
+    request_id: str
+    error: str
+    is_invalid: bool = False  # the request itself is unusable here (HTTP 400), not a failure of ours

@@ -24,3 +24,36 @@ def decode_completion(tokenizer, token_ids: list[int], stop: tuple[str, ...] = (
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     cuts = [text.find(s) for s in stop if s in text]
     return text[:min(cuts)] if cuts else text
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing completion, for streaming, with stop strings matched across tokens.
+    Holds back a trailing partial UTF-8 character and the tail that could still begin a stop string."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.token_ids: list[int] = []
+        self.emitted = 0  # characters of the text already returned
+        self.stopped = False
+
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """The new text to send after `token_ids`; sets `stopped` when a stop string matched (the text
+        ends before it). With `final`, flush what was held back."""
+        if self.stopped:
+            return ""
+        self.token_ids.extend(token_ids)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        if cuts:
+            self.stopped = True
+            end = min(cuts)
+        elif final:
+            end = len(text)
+        else:
+            end = len(text.rstrip("\ufffd"))  # an incomplete character decodes as U+FFFD
+            if self.stop:
+                end = max(self.emitted, min(end, len(text) - max(len(s) for s in self.stop) + 1))
+        delta = text[self.emitted:end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return delta

@@ -17,6 +17,19 @@ SAMPLES = [
     m.StatsReply(stats={"hits": {"dram": 3}, "misses": 1}),
     m.StoreEvents(node_id="cache-1", events=[["add", 7, "dram"], ["evict", 8, "ssd"]]),
     m.ErrorReply(error="bad"),
+    m.Register(instance_id="p0", role="prefill", model_id="tiny-abc", block_size=64, num_kv_blocks=128),
+    m.RegisterReply(accepted=False, error="wrong model", heartbeat_interval_s=0.25),
+    m.Heartbeat(instance_id="d0", num_waiting=1, num_running=3, num_kv_blocks_used=9, num_kv_blocks=100,
+                step_samples=[[3, 900, 0.02]], cached_blocks=[2**63], evicted_blocks=[4]),
+    m.Prefill(request_id="r1", token_ids=[1, 2, 3], block_hashes=[11], sampling={"max_tokens": 4},
+              decode_id="d0", decode_transport="shm", decode_address="shm://x", reuse_blocks=1, deadline_s=9.0),
+    m.PrefillDone(request_id="r1", first_token=7, finish_reason=None, num_cached_tokens=64,
+                  num_computed_tokens=3, num_kv_blocks_sent=2, kv_bytes=4096, kv_seconds=0.01,
+                  prefill_seconds=0.2, fetched_bytes=10, fetch_seconds=0.1),
+    m.Decode(request_id="r1", token_ids=[1, 2, 3, 7], block_hashes=[11], sampling={"max_tokens": 3}),
+    m.Tokens(request_id="r1", token_ids=[8, 9], finish_reason="length"),
+    m.Cancel(request_id="r1"),
+    m.RequestFailed(request_id="r1", error="out of KV blocks", is_invalid=True),
 ]
 
 

@@ -4,7 +4,7 @@ local prefix reuse. Owns no tensors; the scheduler calls it, the KV cache holds 
 A freed block keeps its hash and stays findable until it is handed out again; the free list is ordered
 so the least recently freed blocks are reused first (LRU eviction of cached prefixes)."""
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 
 class BlockPool:
@@ -14,6 +14,14 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # ("add" | "evict", hash) as hashes enter and leave the prefix cache, for a prefill instance to
+        # report to the conductor's index. A deque: drained from another thread than the one appending.
+        self.events: deque[tuple[str, int]] = deque(maxlen=1 << 16)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks some sequence holds (cached-but-free blocks do not count)."""
+        return self.num_blocks - len(self.free)
 
     @property
     def num_free(self) -> int:
@@ -30,6 +38,7 @@ class BlockPool:
             if old is not None:  # evict the cached prefix this block held
                 del self.hash_to_block[old]
                 self.block_hash[block] = None
+                self.events.append(("evict", old))
             self.ref_counts[block] = 1
             blocks.append(block)
         return blocks
@@ -63,4 +72,5 @@ class BlockPool:
             return self.hash_to_block[block_hash] == block
         self.hash_to_block[block_hash] = block
         self.block_hash[block] = block_hash
+        self.events.append(("add", block_hash))
         return True

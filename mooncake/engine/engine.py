@@ -156,14 +156,19 @@ class LLMEngine:
 
     # -- KV export / import ----------------------------------------------------------------------
 
-    def export_kv(self, request_id: str, layer: int | None = None) -> list[KVPayload]:
-        """Payloads of the request's computed full blocks, in prefix order (one layer if `layer` is set)."""
+    def export_kv(self, request_id: str, layer: int | None = None, first_block: int = 0) -> list[KVPayload]:
+        """Payloads of the request's computed full blocks from `first_block` on, in prefix order (one
+        layer if `layer` is set). A prefill instance calls it after each step to stream what is new."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise InvalidRequestError(f"unknown request id {request_id!r}")
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
         return [self.kv_cache.export_block(seq.block_table[i], seq.block_hashes[i], self.namespace, layer)
-                for i in range(num_full)]
+                for i in range(first_block, self.num_full_blocks(request_id))]
+
+    def num_full_blocks(self, request_id: str) -> int:
+        """How many leading blocks of the request are full and computed (exportable)."""
+        seq = self.seqs[request_id]
+        return min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
 
     def _import(self, seq: Sequence, payloads: list[KVPayload]) -> None:
         by_hash: dict[int, dict] = {}
@@ -172,25 +177,26 @@ class LLMEngine:
         num_layers = self.runner.kv_spec.num_layers
         max_blocks = (seq.num_tokens - 1) // self.block_size
         for block_hash in seq.block_hashes[:max_blocks]:
+            block = self.pool.match_prefix([block_hash])  # already cached here: reuse it, payload or not
+            if block:
+                self.pool.acquire(block)
+                seq.block_table.extend(block)
+                continue
             parts = by_hash.get(block_hash, {})
             chosen = [parts[None]] if None in parts else [parts.get(layer) for layer in range(num_layers)]
             if any(p is None for p in chosen):
                 break  # the chain stops at the first missing block
-            block = self.pool.match_prefix([block_hash])  # already cached here: reuse it
-            if block:
-                self.pool.acquire(block)
-            else:
-                block = self.pool.allocate(1)
-                if block is None:
-                    break
-                try:
-                    for p in chosen:
-                        self.kv_cache.import_block(block[0], p, self.namespace)
-                except KVPayloadError as exc:
-                    log.warning("request %s: imported KV rejected, recomputing from there: %s", seq.seq_id, exc)
-                    self.pool.release(block)
-                    break
-                self.pool.register(block[0], block_hash)
+            block = self.pool.allocate(1)
+            if block is None:
+                break
+            try:
+                for p in chosen:
+                    self.kv_cache.import_block(block[0], p, self.namespace)
+            except KVPayloadError as exc:
+                log.warning("request %s: imported KV rejected, recomputing from there: %s", seq.seq_id, exc)
+                self.pool.release(block)
+                break
+            self.pool.register(block[0], block_hash)
             seq.block_table.extend(block)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
         seq.num_registered_blocks = len(seq.block_table)

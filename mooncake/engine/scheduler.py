@@ -68,6 +68,7 @@ class Scheduler:
         for item in scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
+            seq.num_forwarded_tokens += item.num_new_tokens
             num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
             while seq.num_registered_blocks < num_full:
                 k = seq.num_registered_blocks

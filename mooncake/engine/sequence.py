@@ -26,6 +26,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache or an import
+    num_forwarded_tokens: int = 0  # tokens this engine ran through the model for it (recomputes count)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, in order
     num_registered_blocks: int = 0  # leading blocks already entered in the pool's hash map

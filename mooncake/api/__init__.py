@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP endpoint the conductor serves (aiohttp): request schemas, SSE, routes."""

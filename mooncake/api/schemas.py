@@ -1,0 +1,176 @@
+"""OpenAI request bodies -> a checked `ParsedRequest`; every problem is an ApiError naming the field,
+answered as HTTP 400 with an OpenAI-style error body. Unsupported options are refused, not ignored."""
+
+from dataclasses import dataclass
+
+import jinja2
+
+from mooncake.engine.sampling import SamplingParams
+from mooncake.errors import InvalidRequestError, MooncakeError
+from mooncake.text import encode_chat
+
+
+class ApiError(MooncakeError):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code, self.type, self.headers = status, param, code, type_, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    model: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against."""
+
+    names: tuple[str, ...]  # names "model" may take; the first is what /v1/models lists
+    max_model_len: int
+    vocab_size: int
+    default_max_tokens: int
+
+
+_MISSING = object()
+
+
+def _field(body: dict, name: str, kinds, default=_MISSING, what: str = ""):
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        if default is _MISSING:
+            raise bad(f"'{name}' is required", name, "missing_required_parameter")
+        return default
+    # NOTE: bool is an int in Python; a JSON true is never a valid number here.
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise bad(f"'{name}' must be {what or ' or '.join(k.__name__ for k in kinds)}, got {value!r}", name,
+                  "invalid_type")
+    return value
+
+
+def _refuse(body: dict, name: str, allowed) -> None:
+    if name in body and body[name] not in allowed:
+        raise bad(f"'{name}' = {body[name]!r} is not supported by this server", name, "unsupported_parameter")
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad("'stop' must be a non-empty string or a list of them", "stop", "invalid_type")
+    return tuple(stop)
+
+
+def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_key: str,
+            default_max_tokens: int) -> ParsedRequest:
+    model = _field(body, "model", (str,))
+    if model not in limits.names:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{limits.names[0]}'",
+                       "model", "model_not_found")
+    for name, allowed in (("n", (1,)), ("best_of", (1,)), ("echo", (False,)), ("logprobs", (None, False)),
+                          ("top_logprobs", (None,)), ("presence_penalty", (0, 0.0)),
+                          ("frequency_penalty", (0, 0.0)), ("logit_bias", (None, {})), ("suffix", (None,))):
+        _refuse(body, name, allowed)
+    n = len(prompt_ids)
+    if n == 0:
+        raise bad("the prompt is empty", "prompt")
+    if n >= limits.max_model_len:
+        raise bad(f"the prompt has {n} tokens; this model's context length is {limits.max_model_len}",
+                  "messages" if max_tokens_key == "max_completion_tokens" else "prompt", "context_length_exceeded")
+    room = limits.max_model_len - n
+    max_tokens = _field(body, max_tokens_key, (int,), None)
+    if max_tokens is None and max_tokens_key == "max_completion_tokens":
+        max_tokens = _field(body, "max_tokens", (int,), None)
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, room)
+    elif max_tokens < 1:
+        raise bad(f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens", "invalid_value")
+    elif max_tokens > room:
+        raise bad(f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+                  f"{limits.max_model_len}; ask for at most {room}", "max_tokens", "context_length_exceeded")
+    stream = _field(body, "stream", (bool,), False)
+    options = _field(body, "stream_options", (dict,), {})
+    include_usage = _field(options, "include_usage", (bool,), False)
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=float(_field(body, "temperature", (int, float), 1.0)),
+            top_p=float(_field(body, "top_p", (int, float), 1.0)), top_k=_field(body, "top_k", (int,), 0),
+            seed=_field(body, "seed", (int,), None), stop=_stop(body),
+            ignore_eos=_field(body, "ignore_eos", (bool,), False))
+    except InvalidRequestError as exc:
+        raise bad(str(exc)) from None
+    if params.temperature > 2:
+        raise bad(f"'temperature' must be at most 2, got {params.temperature}", "temperature", "invalid_value")
+    return ParsedRequest(model, prompt_ids, params, stream, include_usage)
+
+
+def parse_completion(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    prompt = _field(body, "prompt", (str, list))
+    if isinstance(prompt, list):
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if any(not 0 <= t < limits.vocab_size for t in prompt):
+                raise bad(f"prompt token ids must be in [0, {limits.vocab_size})", "prompt", "invalid_value")
+        else:
+            raise bad("'prompt' must be a string, a list with one string, or a list of token ids "
+                      "(batches of prompts are not supported)", "prompt", "invalid_type")
+    ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+    return _common(body, limits, ids, "max_tokens", 16)
+
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def parse_chat(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    messages = _field(body, "messages", (list,))
+    if not messages:
+        raise bad("'messages' must not be empty", "messages")
+    turns = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise bad(f"'{where}' must be an object with 'role' and 'content'", where, "invalid_type")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise bad(f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+        content = msg.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise bad(f"'{where}.content' parts must be {{\"type\": \"text\", \"text\": ...}}; "
+                              "this server takes text only", f"{where}.content", "invalid_type")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise bad(f"'{where}.content' must be a string or a list of text parts", f"{where}.content",
+                      "invalid_type")
+        turns.append({"role": "system" if role == "developer" else role, "content": content})
+    try:
+        ids = encode_chat(tokenizer, turns)
+    except InvalidRequestError as exc:
+        raise bad(str(exc), "messages") from None
+    except jinja2.TemplateError as exc:  # the model's template refuses this conversation (role order, ...)
+        raise bad(f"the model's chat template refused these messages: {exc}", "messages") from None
+    return _common(body, limits, ids, "max_completion_tokens", limits.default_max_tokens)

@@ -1,0 +1,215 @@
+"""The OpenAI-compatible REST endpoint (aiohttp), served by the conductor role:
+
+  POST /v1/completions, POST /v1/chat/completions   (stream: OpenAI SSE ending in `data: [DONE]`)
+  GET  /v1/models, GET /health, GET /metrics (Prometheus)
+
+Errors are OpenAI-style bodies: 400 bad input, 401 bad key, 404 unknown model, 429 predicted SLO miss
+(with Retry-After), 503 no live instance, 500 a failure on the way. A client that disconnects cancels its
+request, and the conductor frees it on every instance."""
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from mooncake.api.schemas import ApiError, ModelLimits, bad, parse_chat, parse_completion
+from mooncake.conductor.service import Conductor, Rejected, RequestFailed, Unavailable
+from mooncake.config import MooncakeConfig
+from mooncake.errors import MooncakeError
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+
+
+class ApiServer:
+    def __init__(self, config: MooncakeConfig, conductor: Conductor):
+        self.config = config
+        self.cfg = config.api
+        self.conductor = conductor
+        self.name = "REST API"
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.model_name or self.config.engine.model
+
+    async def start(self) -> None:
+        c = self.conductor
+        self.limits = ModelLimits((self.model_name, c.model.model_id), c.max_model_len,
+                                  c.model.config.get("vocab_size", 0), self.cfg.default_max_tokens)
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors, self._auth])
+        app.add_routes([web.post("/v1/completions", self.completions),
+                        web.post("/v1/chat/completions", self.chat_completions),
+                        web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/metrics", self.metrics)])
+        # NOTE: handler_cancellation: a client that goes away cancels its handler, which cancels the request.
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.stop()
+            raise MooncakeError(f"REST API: cannot listen on api.host:api.port = {self.cfg.host}:{self.cfg.port}: "
+                                f"{exc}") from None
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://{self.cfg.host}:{port}"
+        log.info("REST API at %s/v1 (model '%s')", self.url, self.model_name)
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    # -- middleware ---------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request, handler):
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+        except web.HTTPRequestEntityTooLarge:
+            return web.json_response(ApiError(413, f"the request body is over {self.cfg.max_body_bytes} bytes")
+                                     .body(), status=413)
+        except web.HTTPException as exc:
+            return web.json_response(ApiError(exc.status, exc.reason).body(), status=exc.status)
+        except Exception:  # noqa: BLE001  a bug must cost one request, not the server
+            log.exception("%s %s failed", request.method, request.path)
+            return web.json_response(ApiError(500, "internal error; see the conductor's log",
+                                              type_="server_error").body(), status=500)
+
+    @web.middleware
+    async def _auth(self, request, handler):
+        if self.cfg.api_key and request.path.startswith("/v1/"):
+            if request.headers.get("Authorization", "") != f"Bearer {self.cfg.api_key}":
+                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    # -- routes ---------------------------------------------------------------------------------------
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "mooncake",
+            "max_model_len": self.limits.max_model_len}]})
+
+    async def health(self, request):
+        instances = self.conductor.health()
+        ok = bool(instances["prefill"] and instances["decode"])
+        return web.json_response({"status": "ok" if ok else "unavailable", **instances}, status=200 if ok else 503)
+
+    async def metrics(self, request):
+        return web.Response(body=self.conductor.metrics.exposition(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def completions(self, request):
+        return await self._serve(request, parse_completion, chat=False)
+
+    async def chat_completions(self, request):
+        return await self._serve(request, parse_chat, chat=True)
+
+    async def _serve(self, request, parse, chat: bool):
+        try:
+            body = json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise bad(f"the request body is not valid JSON: {exc}") from None
+        parsed = parse(body, self.conductor.tokenizer, self.limits)
+        try:
+            flight = await self.conductor.submit(parsed.prompt_token_ids, parsed.params)
+        except Rejected as exc:
+            raise ApiError(429, str(exc), code=exc.reason, type_="rate_limit_error",
+                           headers={"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
+        except Unavailable as exc:
+            raise ApiError(503, str(exc), type_="server_error", code="no_instance") from None
+        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        shape = _Shape(chat, response_id, int(time.time()), parsed.model, body.get("return_token_ids") is True)
+        if parsed.stream:
+            return await self._stream(request, flight, shape, parsed.include_usage)
+        text, token_ids, finish_reason = [], [], None
+        try:
+            async with contextlib.aclosing(self.conductor.stream(flight)) as events:
+                async for event in events:
+                    text.append(event.text)
+                    token_ids.extend(event.token_ids)
+                    finish_reason = event.finish_reason
+        except RequestFailed as exc:
+            raise ApiError(400 if exc.is_invalid else 500, str(exc), type_="invalid_request_error"
+                           if exc.is_invalid else "server_error", code="request_failed") from None
+        return web.json_response(shape.whole("".join(text), token_ids, finish_reason, _usage(flight)))
+
+    async def _stream(self, request, flight, shape: "_Shape", include_usage: bool):
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            if shape.chat:
+                await _send(response, shape.chunk("", [], None, first=True))
+            async with contextlib.aclosing(self.conductor.stream(flight)) as events:
+                async for event in events:
+                    await _send(response, shape.chunk(event.text, event.token_ids, event.finish_reason))
+            if include_usage:
+                await _send(response, shape.usage_chunk(_usage(flight)))
+        except RequestFailed as exc:
+            await _send(response, ApiError(500, str(exc), type_="server_error", code="request_failed").body())
+        except ConnectionResetError:
+            log.info("client went away; request %s cancelled", flight.request_id)
+            return response
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def _send(response, obj: dict) -> None:
+    await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+
+def _usage(flight) -> dict:
+    n = len(flight.prompt_token_ids)
+    return {"prompt_tokens": n, "completion_tokens": flight.num_completion_tokens,
+            "total_tokens": n + flight.num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": flight.num_cached_tokens}}
+
+
+class _Shape:
+    """OpenAI's response objects for completions and chat completions, whole and as stream chunks."""
+
+    def __init__(self, chat: bool, response_id: str, created: int, model: str, with_token_ids: bool):
+        self.chat, self.id, self.created, self.model, self.with_token_ids = chat, response_id, created, model, \
+            with_token_ids
+
+    def _envelope(self, object_name: str, choices: list, usage=None) -> dict:
+        out = {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+               "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def _choice(self, text, token_ids, finish_reason, key: str, first: bool = False) -> dict:
+        if self.chat:
+            content = {"role": "assistant", "content": text} if first or key == "message" else (
+                {"content": text} if text or finish_reason is None else {})
+            choice = {"index": 0, key: content, "finish_reason": finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        if self.with_token_ids:
+            choice["token_ids"] = token_ids
+        return choice
+
+    def whole(self, text, token_ids, finish_reason, usage) -> dict:
+        if self.chat:
+            return self._envelope("chat.completion", [self._choice(text, token_ids, finish_reason, "message")], usage)
+        return self._envelope("text_completion", [self._choice(text, token_ids, finish_reason, "text")], usage)
+
+    def chunk(self, text, token_ids, finish_reason, first: bool = False) -> dict:
+        if self.chat:
+            return self._envelope("chat.completion.chunk",
+                                  [self._choice(text, token_ids, finish_reason, "delta", first)])
+        return self._envelope("text_completion", [self._choice(text, token_ids, finish_reason, "text")])
+
+    def usage_chunk(self, usage) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage)

@@ -1,0 +1,71 @@
+"""Feeds the global prefix index from the cache nodes: asks each node (retrying until it answers) where
+it publishes, subscribes, and applies its batched add/evict events under the node's id."""
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from mooncake import messages as m
+from mooncake.conductor.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 1.0
+
+
+class PoolWatcher:
+    def __init__(self, nodes: tuple[str, ...], index: PrefixIndex, timeout_s: float):
+        self.nodes = nodes
+        self.index = index
+        self.timeout_s = timeout_s
+        self.ctx = zmq.asyncio.Context()
+        self.node_ids: dict[str, str] = {}  # control address -> node id, once it answered
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._watch(address)) for address in self.nodes]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.ctx.destroy(linger=0)
+
+    async def _hello(self, address: str) -> m.HelloReply:
+        while True:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            try:
+                await sock.send(m.encode(m.Hello()))
+                reply = m.decode(await asyncio.wait_for(sock.recv(), self.timeout_s))
+                if isinstance(reply, m.HelloReply):
+                    return reply
+            except (asyncio.TimeoutError, m.MessageError):
+                log.info("cache node %s is not answering yet; its blocks are not indexed", address)
+            finally:
+                sock.close(linger=0)
+            await asyncio.sleep(RETRY_S)
+
+    async def _watch(self, address: str) -> None:
+        hello = await self._hello(address)
+        self.node_ids[address] = hello.node_id
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(hello.events_address)
+        log.info("indexing cache node %s (%s) from %s", hello.node_id, address, hello.events_address)
+        try:
+            while True:
+                try:
+                    msg = m.decode(await sub.recv())
+                except m.MessageError as exc:
+                    log.warning("cache node %s sent a malformed event batch: %s", hello.node_id, exc)
+                    continue
+                if isinstance(msg, m.StoreEvents):
+                    for kind, key, _tier in msg.events:
+                        (self.index.add if kind == "add" else self.index.remove)(msg.node_id, (key,))
+        finally:
+            sub.close(linger=0)

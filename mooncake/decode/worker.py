@@ -1,0 +1,81 @@
+"""A decode instance (`mooncake serve --role decode`).
+
+Its transport serves a KV inbox that prefill instances push blocks into. A `Decode` from the conductor
+claims the request's blocks, imports them into the paged cache (a block missing or failing verification
+is recomputed, never trusted) and joins continuous batching; every step's tokens go back to the
+conductor as `Tokens`. `Cancel` aborts the request and frees its blocks."""
+
+import asyncio
+import logging
+
+from mooncake import messages as m
+from mooncake.decode.inbox import KVInbox
+from mooncake.engine.sampling import SamplingParams
+from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
+from mooncake.instance.worker import Worker
+from mooncake.kv_payload import KVPayload
+from mooncake.registry import load_backend
+
+log = logging.getLogger(__name__)
+
+
+class DecodeWorker(Worker):
+    role = "decode"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.inbox = KVInbox(config.instance.kv_inbox_ttl_s)
+        self._expiry: asyncio.Task | None = None
+
+    async def start_role(self) -> None:
+        self.transport = load_backend("transports", self.config.instance.transport)()
+        self.data_address = await self.transport.start(self.inbox, self.config.instance.data_address or None)
+        self._expiry = asyncio.create_task(self._expire())
+
+    async def stop_role(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            await asyncio.gather(self._expiry, return_exceptions=True)
+        if self.transport is not None:
+            await self.transport.stop()
+
+    async def on_message(self, msg) -> None:
+        if isinstance(msg, m.Decode):
+            await self._admit(msg)
+        elif isinstance(msg, m.Cancel):
+            await self.loop.call(self.engine.abort, msg.request_id)
+        else:
+            log.warning("%s: unexpected %s from the conductor", self.name, type(msg).__name__)
+
+    async def _admit(self, msg: m.Decode) -> None:
+        payloads = []
+        for data in self.inbox.claim(msg.block_hashes):
+            try:
+                payloads.append(KVPayload.from_bytes(data))
+            except KVPayloadError as exc:
+                log.warning("%s: request %s: %s; recomputing from there", self.name, msg.request_id, exc)
+                break
+        if len(payloads) < len(msg.block_hashes):
+            log.info("%s: request %s: %d of %d prompt blocks arrived; computing the rest here", self.name,
+                     msg.request_id, len(payloads), len(msg.block_hashes))
+        try:
+            params = SamplingParams(**{**msg.sampling, "stop": ()})
+            await self.loop.call(self.engine.add_request, msg.token_ids, params, msg.request_id, payloads)
+        except (InvalidRequestError, TypeError) as exc:
+            await self.report_failure(msg.request_id, str(exc), is_invalid=True)
+        except MooncakeError as exc:
+            await self.report_failure(msg.request_id, str(exc))
+
+    async def on_outputs(self, outputs) -> None:
+        for out in outputs:
+            await self.link.send(m.Tokens(request_id=out.request_id, token_ids=out.new_token_ids,
+                                          finish_reason=out.finish_reason))
+            if out.finished:
+                self.engine.pop_completion(out.request_id)
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self.inbox.ttl_s))
+            if n := self.inbox.expire():
+                log.info("%s: dropped %d KV blocks no request claimed within %g s", self.name, n,
+                         self.inbox.ttl_s)

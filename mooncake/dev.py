@@ -1,0 +1,193 @@
+"""`mooncake dev`: a whole cluster on this box, one process per role (cache nodes, conductor, prefill and
+decode instances), on free loopback ports. Writes one config per process, starts them in dependency
+order, waits until the conductor reports every instance, and stops them all (SIGTERM, then SIGKILL
+after a deadline) on Ctrl-C, SIGTERM or `stop()`. Tests start clusters the same way."""
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from mooncake.config import MooncakeConfig, dump_config
+from mooncake.errors import MooncakeError
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Process:
+    name: str  # "conductor", "prefill-0", "decode-1", "cache-0"
+    role: str
+    config_path: Path
+    log_path: Path | None
+    popen: subprocess.Popen | None = None
+    is_exit_reported: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+class DevCluster:
+    def __init__(self, config: MooncakeConfig, num_prefill: int = 1, num_decode: int = 1, num_cache: int = 1,
+                 workdir: Path | None = None, log_to_files: bool = False):
+        if num_prefill < 1 or num_decode < 1 or num_cache < 0:
+            raise MooncakeError("a cluster needs at least one prefill and one decode instance")
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="mooncake-dev-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_to_files = log_to_files
+        ports = iter(free_port() for _ in range(1 + 2 * num_cache))
+        conductor_address = f"tcp://127.0.0.1:{next(ports)}"
+        caches = [(f"cache-{i}", f"tcp://127.0.0.1:{next(ports)}", f"tcp://127.0.0.1:{next(ports)}")
+                  for i in range(num_cache)]
+        api_port = config.api.port or free_port()
+        base = dataclasses.replace(
+            config,
+            conductor=dataclasses.replace(config.conductor, control_address=conductor_address),
+            api=dataclasses.replace(config.api, port=api_port),
+            cache_client=dataclasses.replace(config.cache_client, nodes=tuple(c[1] for c in caches) or ("tcp://127.0.0.1:1",),
+                                             replica_num=min(config.cache_client.replica_num, max(1, num_cache))),
+            instance=dataclasses.replace(config.instance, conductor_address=conductor_address,
+                                         use_cache_pool=num_cache > 0 and config.instance.use_cache_pool))
+        self.url = f"http://{config.api.host}:{api_port}"
+        self.config = base
+        self.processes: list[Process] = []
+        for node_id, control, events in caches:
+            self._add(node_id, "cache", dataclasses.replace(base, cache=dataclasses.replace(
+                base.cache, node_id=node_id, control_address=control, events_address=events,
+                transport=base.instance.transport)))
+        self._add("conductor", "conductor", base)
+        for role, n in (("prefill", num_prefill), ("decode", num_decode)):
+            for i in range(n):
+                self._add(f"{role}-{i}", role, dataclasses.replace(base, instance=dataclasses.replace(
+                    base.instance, instance_id=f"{role}-{i}")))
+
+    def _add(self, name: str, role: str, config: MooncakeConfig) -> None:
+        path = self.workdir / f"{name}.toml"
+        path.write_text(dump_config(config))
+        log_path = self.workdir / f"{name}.log" if self.log_to_files else None
+        self.processes.append(Process(name, role, path, log_path))
+
+    def process(self, name: str) -> Process:
+        return next(p for p in self.processes if p.name == name)
+
+    def spawn(self, proc: Process) -> None:
+        """Start (or restart) one process."""
+        out = open(proc.log_path, "ab") if proc.log_path else None
+        proc.popen = subprocess.Popen([sys.executable, "-m", "mooncake", "serve", "--role", proc.role,
+                                       "--config", str(proc.config_path)], stdout=out, stderr=out,
+                                      start_new_session=out is not None)
+        if out:
+            out.close()
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        try:
+            for proc in self.processes:
+                self.spawn(proc)
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self, timeout_s: float, num_prefill: int | None = None, num_decode: int | None = None) -> dict:
+        """Wait until /health lists every (or the given number of) prefill and decode instances."""
+        want_p = num_prefill if num_prefill is not None else sum(p.role == "prefill" for p in self.processes)
+        want_d = num_decode if num_decode is not None else sum(p.role == "decode" for p in self.processes)
+        deadline = time.monotonic() + timeout_s
+        health = {}
+        while time.monotonic() < deadline:
+            for proc in self.processes:
+                if proc.popen is not None and proc.popen.poll() is not None and proc.role in ("conductor", "cache"):
+                    raise MooncakeError(f"{proc.name} exited with status {proc.popen.returncode} during start"
+                                        + self._log_tail(proc))
+            health = self.health()
+            if len(health.get("prefill", [])) >= want_p and len(health.get("decode", [])) >= want_d:
+                return health
+            time.sleep(0.25)
+        raise MooncakeError(f"the cluster was not ready within {timeout_s:g} s (health: {health})")
+
+    def health(self) -> dict:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return json.loads(exc.read() or b"{}")
+        except (urllib.error.URLError, OSError, ValueError):
+            return {}
+
+    def _log_tail(self, proc: Process) -> str:
+        if proc.log_path is None or not proc.log_path.exists():
+            return ""
+        return ":\n" + "\n".join(proc.log_path.read_text(errors="replace").splitlines()[-15:])
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.process(name)
+        if proc.popen is not None and proc.popen.poll() is None:
+            os.kill(proc.pid, sig)
+            proc.popen.wait(timeout=STOP_TIMEOUT_S)
+
+    def stop(self) -> None:
+        """SIGTERM everything we started, in reverse order; SIGKILL what is still up after the deadline."""
+        running = [p for p in reversed(self.processes) if p.popen is not None and p.popen.poll() is None]
+        for proc in running:
+            proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in running:
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) did not stop within %g s; killing it", proc.name, proc.pid, STOP_TIMEOUT_S)
+                proc.popen.kill()
+                proc.popen.wait()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def run_dev(cluster: DevCluster, timeout_s: float) -> None:
+    """Start the cluster, print its URL, and keep it up until Ctrl-C or SIGTERM."""
+    stopping = []
+
+    def on_signal(signum, frame):
+        stopping.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        print(f"starting {len(cluster.processes)} processes (configs in {cluster.workdir}) ...", file=sys.stderr)
+        cluster.start(timeout_s)
+        print(f"mooncake is serving at {cluster.url}/v1  (OpenAI API; Ctrl-C stops everything)", flush=True)
+        while True:
+            time.sleep(1)
+            for proc in cluster.processes:
+                if proc.popen.poll() is not None and not proc.is_exit_reported:
+                    proc.is_exit_reported = True
+                    print(f"{proc.name} (pid {proc.pid}) exited with status {proc.popen.returncode}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("stopping ...", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        cluster.stop()
+        print("stopped", file=sys.stderr)

@@ -1,0 +1,87 @@
+"""Runs an LLMEngine's steps on one worker thread so the event loop stays free for I/O (KV transfers,
+heartbeats, control messages). The engine is touched only between steps: callers queue changes with
+`call()`, which the loop applies before the next step."""
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Awaitable, Callable
+
+from mooncake.engine import LLMEngine
+from mooncake.engine.engine import RequestOutput
+
+log = logging.getLogger(__name__)
+
+OnOutputs = Callable[[list[RequestOutput]], Awaitable[None]]
+OnFailed = Callable[[list[str], str], Awaitable[None]]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_outputs: OnOutputs, on_failed: OnFailed):
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.on_failed = on_failed
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._calls: deque[tuple[Callable, asyncio.Future]] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        # (batch size, context tokens, seconds) of recent steps, for the conductor's step-time model
+        self.step_samples: deque[tuple[int, int, float]] = deque(maxlen=256)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self._executor.shutdown(wait=True)
+
+    async def call(self, fn: Callable, *args):
+        """Run `fn(*args)` against the engine between two steps; returns its result (or raises)."""
+        future = asyncio.get_running_loop().create_future()
+        self._calls.append((lambda: fn(*args), future))
+        self._wake.set()
+        return await future
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._calls and not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+            while self._calls:
+                fn, future = self._calls.popleft()
+                if future.cancelled():
+                    continue
+                try:
+                    future.set_result(fn())
+                except Exception as exc:  # noqa: BLE001  the caller gets it; the loop goes on
+                    future.set_exception(exc)
+            if not self.engine.has_unfinished():
+                continue
+            start = time.perf_counter()
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as exc:  # noqa: BLE001  fail its requests, keep serving
+                log.exception("engine step failed; failing every request in the engine")
+                request_ids = list(self.engine.seqs)
+                for request_id in request_ids:
+                    self.engine.abort(request_id)
+                await self.on_failed(request_ids, f"engine step failed: {exc}")
+                continue
+            seconds = time.perf_counter() - start
+            if outputs:
+                context = sum(len(s.prompt_token_ids) + len(s.output_token_ids)
+                              for o in outputs if (s := self.engine.seqs.get(o.request_id)) is not None)
+                self.step_samples.append((len(outputs), context, seconds))
+                await self.on_outputs(outputs)
+
+    def drain_step_samples(self) -> list[list]:
+        samples = []
+        while self.step_samples:
+            samples.append(list(self.step_samples.popleft()))
+        return samples

@@ -1,0 +1,88 @@
+"""An instance's link to the conductor: one DEALER socket (identity = instance id) to the conductor's
+ROUTER. Registers (retrying until the conductor answers, so instances may start first or rejoin after a
+conductor restart), heartbeats its load, sends reports, and hands every other message to `on_message`."""
+
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from mooncake import messages as m
+from mooncake.errors import MooncakeError
+
+log = logging.getLogger(__name__)
+
+REGISTER_RETRY_S = 1.0
+
+
+class ConductorLink:
+    def __init__(self, address: str, register: m.Register, heartbeat: Callable[[], m.Heartbeat],
+                 on_message: Callable[[object], Awaitable[None]]):
+        self.address = address
+        self.register_msg = register
+        self.make_heartbeat = heartbeat
+        self.on_message = on_message
+        self.heartbeat_interval_s = 0.5
+        self.registered = asyncio.Event()
+        self.refused: asyncio.Future = asyncio.get_running_loop().create_future()  # set: the process must end
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, register.instance_id.encode())
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self.sock.connect(self.address)
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._register_and_beat())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    async def send(self, msg) -> None:
+        await self.sock.send(m.encode(msg))
+
+    async def _register_and_beat(self) -> None:
+        name = self.register_msg.instance_id
+        while True:
+            if not self.registered.is_set():
+                await self.send(self.register_msg)
+                try:
+                    await asyncio.wait_for(self.registered.wait(), REGISTER_RETRY_S)
+                    log.info("%s: registered with the conductor at %s", name, self.address)
+                except asyncio.TimeoutError:
+                    log.info("%s: waiting for the conductor at %s", name, self.address)
+                continue
+            await self.send(self.make_heartbeat())
+            await asyncio.sleep(self.heartbeat_interval_s)
+
+    async def _receive(self) -> None:
+        while True:
+            frame = await self.sock.recv()
+            try:
+                msg = m.decode(frame)
+            except m.MessageError as exc:
+                log.warning("malformed message from the conductor: %s", exc)
+                continue
+            if isinstance(msg, m.RegisterReply):
+                if not msg.accepted:
+                    # NOTE: a conductor that forgot us (it restarted) says so; anything else is fatal.
+                    if msg.error == "unregistered":
+                        self.registered.clear()
+                        continue
+                    if not self.refused.done():
+                        self.refused.set_exception(MooncakeError(
+                            f"the conductor at {self.address} refused {self.register_msg.instance_id}: {msg.error}"))
+                    return
+                self.heartbeat_interval_s = msg.heartbeat_interval_s
+                self.registered.set()
+                continue
+            try:
+                await self.on_message(msg)
+            except Exception:  # noqa: BLE001  one bad message must not take the instance down
+                log.exception("handling %s failed", type(msg).__name__)

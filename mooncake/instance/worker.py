@@ -1,0 +1,84 @@
+"""The part of a prefill or decode instance that is not its role: the engine on its step loop, the
+link to the conductor, the heartbeat with its load, and start/stop in order."""
+
+import asyncio
+import logging
+import os
+
+from mooncake import messages as m
+from mooncake.config import MooncakeConfig
+from mooncake.engine import LLMEngine
+from mooncake.instance.engine_loop import EngineLoop
+from mooncake.instance.link import ConductorLink
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    role = ""
+
+    def __init__(self, config: MooncakeConfig):
+        self.config = config
+        self.instance_id = config.instance.instance_id or f"{self.role}-{os.getpid()}"
+        self.name = f"{self.role} instance {self.instance_id}"
+        self.engine: LLMEngine | None = None
+        self.loop: EngineLoop | None = None
+        self.link: ConductorLink | None = None
+        self.transport = None
+        self.data_address = ""
+
+    @property
+    def fatal(self):
+        return self.link.refused if self.link else None
+
+    async def start(self) -> None:
+        # NOTE: loading weights takes seconds; do it off the event loop's thread all the same.
+        self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
+        self.loop = EngineLoop(self.engine, self.on_outputs, self.on_failed)
+        await self.start_role()
+        register = m.Register(instance_id=self.instance_id, role=self.role, model_id=self.engine.model.model_id,
+                              block_size=self.engine.block_size, transport=self.config.instance.transport,
+                              data_address=self.data_address, num_kv_blocks=self.engine.pool.num_blocks)
+        self.link = ConductorLink(self.config.instance.conductor_address, register, self.heartbeat,
+                                  self.on_message)
+        self.loop.start()
+        await self.link.start()
+        log.info("%s ready: model %s, %d KV blocks, conductor %s", self.name, self.config.engine.model,
+                 self.engine.pool.num_blocks, self.config.instance.conductor_address)
+
+    async def stop(self) -> None:
+        if self.link is not None:
+            await self.link.stop()
+            self.link = None
+        if self.loop is not None:
+            await self.loop.stop()
+            self.loop = None
+        await self.stop_role()
+
+    def heartbeat(self) -> m.Heartbeat:
+        engine = self.engine
+        return m.Heartbeat(instance_id=self.instance_id, num_waiting=len(engine.scheduler.waiting),
+                           num_running=len(engine.scheduler.running), num_kv_blocks_used=engine.pool.num_used,
+                           num_kv_blocks=engine.pool.num_blocks, step_samples=self.loop.drain_step_samples(),
+                           **self.cache_report())
+
+    def cache_report(self) -> dict:
+        return {}
+
+    async def report_failure(self, request_id: str, error: str, is_invalid: bool = False) -> None:
+        log.warning("%s: request %s failed: %s", self.name, request_id, error)
+        await self.link.send(m.RequestFailed(request_id=request_id, error=error, is_invalid=is_invalid))
+
+    async def on_failed(self, request_ids: list[str], error: str) -> None:
+        for request_id in request_ids:
+            await self.report_failure(request_id, error)
+
+    # -- for the roles ------------------------------------------------------------------------------
+
+    async def start_role(self) -> None: ...
+
+    async def stop_role(self) -> None: ...
+
+    async def on_outputs(self, outputs) -> None: ...
+
+    async def on_message(self, msg) -> None: ...

@@ -1,0 +1,210 @@
+"""A prefill instance (`mooncake serve --role prefill`).
+
+For each `Prefill` from the conductor: read the reusable prefix blocks it lacks locally from the cache
+pool, queue the prompt (sampling one token) with its KV kept, and after every engine step push the
+blocks that just filled to the decode instance's KV inbox and to the cache pool, so the transfer of one
+chunk overlaps the compute of the next (chunk-wise streaming). When the first token is out and every
+block has arrived at decode, release the request's blocks (they stay in the local prefix cache) and
+report `PrefillDone`. A request that misses its deadline or is cancelled is aborted and its blocks freed."""
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from mooncake import messages as m
+from mooncake.engine.sampling import SamplingParams
+from mooncake.errors import InvalidRequestError, MooncakeError
+from mooncake.instance.worker import Worker
+from mooncake.kv_payload import KVPayload
+from mooncake.registry import load_backend
+from mooncake.store.client import CacheClient
+from mooncake.transfer.contract import TransferError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    msg: m.Prefill
+    received_s: float
+    num_sent_blocks: int = 0  # leading blocks already pushed (or being pushed)
+    pushes: list[asyncio.Task] = field(default_factory=list)
+    num_pool_blocks: int = 0  # leading blocks read from the pool (no need to write them back)
+    fetched_bytes: int = 0
+    fetch_seconds: float = 0.0
+    first_token: int | None = None
+    finish_reason: str | None = None
+
+
+class PrefillWorker(Worker):
+    role = "prefill"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.jobs: dict[str, _Job] = {}
+        self.cache: CacheClient | None = None
+        self._deadlines: asyncio.Task | None = None
+
+    async def start_role(self) -> None:
+        self.transport = load_backend("transports", self.config.instance.transport)()
+        await self.transport.start()
+        if self.config.instance.use_cache_pool:
+            self.cache = CacheClient(self.config.cache_client)
+            try:
+                await self.cache.start()
+            except TransferError as exc:
+                # NOTE: the pool is an accelerator, not a dependency: serve without it, say so.
+                log.warning("%s: no cache pool (%s); computing every prefix locally", self.name, exc)
+                await self.cache.stop()
+                self.cache = None
+        self._deadlines = asyncio.create_task(self._enforce_deadlines())
+
+    async def stop_role(self) -> None:
+        if self._deadlines is not None:
+            self._deadlines.cancel()
+            await asyncio.gather(self._deadlines, return_exceptions=True)
+        for job in self.jobs.values():
+            for task in job.pushes:
+                task.cancel()
+        if self.cache is not None:
+            await self.cache.stop()
+        if self.transport is not None:
+            await self.transport.stop()
+
+    def cache_report(self) -> dict:
+        added, evicted = [], []
+        events = self.engine.pool.events
+        while events:
+            kind, block_hash = events.popleft()
+            (added if kind == "add" else evicted).append(block_hash)
+        return {"cached_blocks": added, "evicted_blocks": evicted}
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    async def on_message(self, msg) -> None:
+        if isinstance(msg, m.Prefill):
+            asyncio.create_task(self._admit(msg))
+        elif isinstance(msg, m.Cancel):
+            await self._drop(msg.request_id)
+        else:
+            log.warning("%s: unexpected %s from the conductor", self.name, type(msg).__name__)
+
+    async def _admit(self, msg: m.Prefill) -> None:
+        job = _Job(msg, time.perf_counter())
+        self.jobs[msg.request_id] = job
+        try:
+            params = SamplingParams(**{**msg.sampling, "max_tokens": 1, "stop": ()})
+            payloads = await self._read_pool(job)
+            await self.loop.call(self.engine.add_request, msg.token_ids, params, msg.request_id, payloads, True)
+        except (InvalidRequestError, TypeError) as exc:
+            self.jobs.pop(msg.request_id, None)
+            await self.report_failure(msg.request_id, str(exc), is_invalid=True)
+        except MooncakeError as exc:
+            self.jobs.pop(msg.request_id, None)
+            await self.report_failure(msg.request_id, str(exc))
+
+    async def _read_pool(self, job: _Job) -> list[KVPayload]:
+        """The blocks the conductor said to reuse that this instance does not hold, from the cache pool."""
+        msg = job.msg
+        if self.cache is None or msg.reuse_blocks <= 0:
+            return []
+        local = len(self.engine.pool.match_prefix(msg.block_hashes[:msg.reuse_blocks]))
+        wanted = msg.block_hashes[local:msg.reuse_blocks]
+        if not wanted:
+            return []
+        start = time.perf_counter()
+        found = await self.cache.get_blocks(wanted)
+        job.fetch_seconds = time.perf_counter() - start
+        payloads = []
+        for key in wanted:
+            data = found.get(key)
+            if data is None:
+                break
+            job.fetched_bytes += len(data)
+            payloads.append(KVPayload.from_bytes(data))
+        job.num_pool_blocks = local + len(payloads)
+        return payloads
+
+    async def on_outputs(self, outputs) -> None:
+        # Every request that computed in this step, finished or mid-prompt, streams what just filled.
+        for job in self.jobs.values():
+            if job.first_token is None and job.msg.request_id in self.engine.seqs:
+                self._push_new_blocks(job)
+        for out in outputs:
+            job = self.jobs.get(out.request_id)
+            if job is not None and out.finished:
+                job.first_token, job.finish_reason = out.new_token_ids[0], out.finish_reason
+                asyncio.create_task(self._hand_off(job))
+
+    def _push_new_blocks(self, job: _Job) -> None:
+        request_id = job.msg.request_id
+        num_full = min(self.engine.num_full_blocks(request_id), len(job.msg.block_hashes))
+        if num_full <= job.num_sent_blocks:
+            return
+        payloads = self.engine.export_kv(request_id, first_block=job.num_sent_blocks)[:num_full - job.num_sent_blocks]
+        first = job.num_sent_blocks
+        job.num_sent_blocks = num_full
+        blocks = [(p.block_hash, p.to_bytes()) for p in payloads]
+        job.pushes.append(asyncio.create_task(self._push(job, blocks, first)))
+
+    async def _push(self, job: _Job, blocks: list[tuple[int, bytes]], first_block: int):
+        """One chunk's blocks to decode (must arrive) and to the pool (best effort)."""
+        msg = job.msg
+        to_pool = [b for i, b in enumerate(blocks) if first_block + i >= job.num_pool_blocks]
+        pool_write = (asyncio.create_task(self.cache.put_blocks(to_pool))
+                      if self.cache is not None and to_pool else None)
+        result = await self.transport.send(msg.decode_address, blocks, self._time_left(job), msg.request_id)
+        if pool_write is not None:
+            refused = {k: e for k, e in (await pool_write).items() if e}
+            if refused:
+                log.info("%s: the pool did not take %d blocks of %s: %s", self.name, len(refused),
+                         msg.request_id, next(iter(refused.values())))
+        if not result.ok:
+            bad = next(b for b in result.blocks if not b.ok)
+            raise TransferError(f"decode {msg.decode_id} at {msg.decode_address} did not take block "
+                                f"{bad.key:#x} of request {msg.request_id}: {bad.error}")
+        return result
+
+    async def _hand_off(self, job: _Job) -> None:
+        msg = job.msg
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*job.pushes), self._time_left(job))
+        except (TransferError, asyncio.TimeoutError) as exc:
+            await self._drop(msg.request_id)
+            await self.report_failure(msg.request_id, f"KV transfer to decode failed: {exc or 'deadline'}")
+            return
+        if self.jobs.pop(msg.request_id, None) is None:
+            return  # cancelled meanwhile
+        done, num_forwarded = await self.loop.call(self._complete, msg.request_id)
+        await self.link.send(m.PrefillDone(
+            request_id=msg.request_id, first_token=job.first_token, finish_reason=job.finish_reason,
+            num_cached_tokens=done.num_cached_tokens, num_computed_tokens=num_forwarded,
+            num_kv_blocks_sent=job.num_sent_blocks, kv_bytes=sum(r.num_bytes for r in results),
+            kv_seconds=sum(r.seconds for r in results), prefill_seconds=time.perf_counter() - job.received_s,
+            fetched_bytes=job.fetched_bytes, fetch_seconds=job.fetch_seconds))
+
+    def _complete(self, request_id: str):
+        """(completion, prompt tokens this instance computed); frees the blocks it kept for the hand-off."""
+        num_forwarded = self.engine.seqs[request_id].num_forwarded_tokens
+        return self.engine.pop_completion(request_id), num_forwarded
+
+    async def _drop(self, request_id: str) -> None:
+        job = self.jobs.pop(request_id, None)
+        if job is not None:
+            for task in job.pushes:
+                task.cancel()
+        await self.loop.call(self.engine.abort, request_id)
+
+    def _time_left(self, job: _Job) -> float:
+        return max(0.01, job.msg.deadline_s - (time.perf_counter() - job.received_s))
+
+    async def _enforce_deadlines(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.perf_counter()
+            late = [j for j in self.jobs.values() if now - j.received_s > j.msg.deadline_s]
+            for job in late:
+                await self._drop(job.msg.request_id)
+                await self.report_failure(job.msg.request_id,
+                                          f"prefill did not finish within {job.msg.deadline_s:g} s")
