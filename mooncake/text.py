@@ -52,8 +52,8 @@ class IncrementalDetokenizer:
             end = len(text)
         else:
             end = len(text.rstrip("\ufffd"))  # an incomplete character decodes as U+FFFD
-            if self.stop:
-                end = max(self.emitted, min(end, len(text) - max(len(s) for s in self.stop) + 1))
+            if self.stop:  # hold back what could still grow into a stop string
+                end = max(self.emitted, end - max(len(s) for s in self.stop) + 1)
         delta = text[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return delta

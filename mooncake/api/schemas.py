@@ -79,7 +79,7 @@ def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_k
             default_max_tokens: int) -> ParsedRequest:
     model = _field(body, "model", (str,))
     if model not in limits.names:
-        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{limits.names[0]}'",
+        raise ApiError(400, f"the model '{model}' does not exist; this server serves '{limits.names[0]}'",
                        "model", "model_not_found")
     for name, allowed in (("n", (1,)), ("best_of", (1,)), ("echo", (False,)), ("logprobs", (None, False)),
                           ("top_logprobs", (None,)), ("presence_penalty", (0, 0.0)),

@@ -3,7 +3,7 @@
   POST /v1/completions, POST /v1/chat/completions   (stream: OpenAI SSE ending in `data: [DONE]`)
   GET  /v1/models, GET /health, GET /metrics (Prometheus)
 
-Errors are OpenAI-style bodies: 400 bad input, 401 bad key, 404 unknown model, 429 predicted SLO miss
+Errors are OpenAI-style bodies: 400 bad input (an unknown model too), 401 bad key, 429 predicted SLO miss
 (with Retry-After), 503 no live instance, 500 a failure on the way. A client that disconnects cancels its
 request, and the conductor frees it on every instance."""
 

@@ -121,6 +121,7 @@ class CacheServer:
         metrics = {f.name: getattr(self.store.metrics, f.name) for f in dataclasses.fields(self.store.metrics)}
         return {**{k: dict(v) if isinstance(v, dict) else v for k, v in metrics.items()},
                 "blocks": self.store.num_blocks(),
+                "leased_blocks": self.store.num_leased(),
                 "used_bytes": {t.name: t.used_bytes for t in self.store.tiers},
                 "capacity_bytes": {t.name: t.capacity_bytes for t in self.store.tiers},
                 "transfers": {op: {**v, "gbytes_per_s": v["bytes"] / v["seconds"] / 1e9 if v["seconds"] else 0.0}

@@ -159,6 +159,11 @@ class KVStore:
             found.append(tier.name)
         return found
 
+    def num_leased(self) -> int:
+        """Blocks some live lease pins (expired leases are let go first)."""
+        self._expire_leases()
+        return sum(1 for n in self._leased.values() if n > 0)
+
     def drain_events(self) -> list[StoreEvent]:
         events, self._events = self._events, []
         return events

@@ -1,0 +1,178 @@
+"""The REST endpoint in-process over a real conductor (no engines): request validation, auth, limits,
+health, and admission's 429. Instances are stand-ins that register over the real control socket."""
+
+import asyncio
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import zmq
+
+from mooncake import messages as m
+from mooncake.api.server import ApiServer
+from mooncake.conductor.service import Conductor
+from mooncake.config import load_config
+from mooncake.dev import free_port
+from mooncake.runtime import ServiceStack
+
+
+class Served:
+    """A conductor + API on a private event loop thread."""
+
+    def __init__(self, **overrides):
+        self.control = f"tcp://127.0.0.1:{free_port()}"
+        cfg = load_config(None, {"engine.model": "tiny-llama", "api.port": 0, "api.model_name": "tiny",
+                                 "conductor.control_address": self.control,
+                                 "cache_client.nodes": [f"tcp://127.0.0.1:{free_port()}"], **overrides})
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.conductor = Conductor(cfg)
+        self.api = ApiServer(cfg, self.conductor)
+        self.stack = ServiceStack("conductor", [self.conductor, self.api])
+        asyncio.run_coroutine_threadsafe(self.stack.start(), self.loop).result(60)
+        self.url = self.api.url
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.stack.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def request(self, path, body=None, headers=None, raw: bytes | None = None):
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json",
+                                                                          **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read()), dict(r.headers)
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read()), dict(exc.headers)
+
+    def fake_instances(self):
+        """Register a prefill and a decode stand-in; returns their sockets (close them when done)."""
+        ctx = zmq.Context.instance()
+        socks = []
+        for role in ("prefill", "decode"):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, f"{role}-x".encode())
+            s.connect(self.control)
+            s.send(m.encode(m.Register(instance_id=f"{role}-x", role=role, model_id=self.conductor.model.model_id,
+                                       block_size=64, transport="tcp", data_address="tcp://127.0.0.1:1")))
+            assert s.poll(10_000), "the conductor did not answer a registration"
+            assert m.decode(s.recv()).accepted
+            socks.append(s)
+        return socks
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir):
+    s = Served()
+    yield s
+    s.close()
+
+
+def ok_body(**extra):
+    return {"model": "tiny", "prompt": "hello", "max_tokens": 4, **extra}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "hi"}, "model"),
+    ("/v1/completions", {"model": "tiny"}, "prompt"),
+    ("/v1/completions", ok_body(max_tokens="4"), "max_tokens"),
+    ("/v1/completions", ok_body(max_tokens=-1), "max_tokens"),
+    ("/v1/completions", ok_body(max_tokens=0), "max_tokens"),
+    ("/v1/completions", ok_body(max_tokens=5000), "max_tokens"),
+    ("/v1/completions", ok_body(temperature="hot"), "temperature"),
+    ("/v1/completions", ok_body(stream="yes"), "stream"),
+    ("/v1/completions", ok_body(n=2), "n"),
+    ("/v1/completions", ok_body(prompt=[1, 2, 999999]), "prompt"),
+    ("/v1/completions", ok_body(prompt="x" * 5000), "prompt"),
+    ("/v1/completions", ok_body(model="gpt-4"), "model"),
+    ("/v1/completions", ok_body(stop=[""]), "stop"),
+    ("/v1/chat/completions", {"model": "tiny"}, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]},
+     "messages[0].role"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 7}]},
+     "messages[0].content"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
+])
+def test_bad_requests_get_a_400_naming_the_field(served, path, body, param):
+    status, reply, _ = served.request(path, body)
+    assert status == 400, reply
+    assert reply["error"]["param"] == param and reply["error"]["type"] == "invalid_request_error"
+    assert reply["error"]["message"]
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_malformed_bodies_are_400(served, raw):
+    status, reply, _ = served.request("/v1/completions", raw=raw)
+    assert status == 400 and "error" in reply
+
+
+def test_oversized_body_is_413(served):
+    status, reply, _ = served.request("/v1/completions", raw=b"{" + b" " * (2 << 20) + b"}")
+    assert status == 413 and "error" in reply
+
+
+def test_no_instance_is_503_and_health_says_so(served):
+    status, reply, _ = served.request("/v1/completions", ok_body())
+    assert status == 503 and reply["error"]["code"] == "no_instance"
+    status, health, _ = served.request("/health")
+    assert status == 503 and health["prefill"] == [] and health["decode"] == []
+
+
+def test_models_lists_the_served_name(served):
+    status, reply, _ = served.request("/v1/models")
+    assert status == 200 and [d["id"] for d in reply["data"]] == ["tiny"]
+    assert reply["data"][0]["max_model_len"] == 4096
+
+
+def test_api_key_is_required_when_set(tiny_dir):
+    s = Served(**{"api.api_key": "sesame"})
+    try:
+        status, reply, _ = s.request("/v1/models")
+        assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+        status, _, _ = s.request("/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert status == 401
+        status, _, _ = s.request("/v1/models", headers={"Authorization": "Bearer sesame"})
+        assert status == 200
+        assert s.request("/health")[0] == 503  # health needs no key
+    finally:
+        s.close()
+
+
+def test_predicted_ttft_over_the_slo_is_429_with_retry_after(tiny_dir):
+    s = Served(**{"conductor.ttft_slo_s": 1e-6})
+    socks = s.fake_instances()
+    try:
+        status, reply, headers = s.request("/v1/completions", ok_body())
+        assert status == 429 and reply["error"]["code"] == "ttft_slo", reply
+        assert int(headers["Retry-After"]) >= 1
+        metrics = urllib.request.urlopen(s.url + "/metrics", timeout=10).read().decode()
+        assert 'mooncake_rejections_total{reason="ttft_slo"} 1.0' in metrics
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        s.close()
+
+
+def test_an_instance_of_another_model_is_refused(served):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IDENTITY, b"prefill-y")
+    s.connect(served.control)
+    try:
+        s.send(m.encode(m.Register(instance_id="prefill-y", role="prefill", model_id="other-123", block_size=64)))
+        assert s.poll(10_000)
+        reply = m.decode(s.recv())
+        assert not reply.accepted and "other-123" in reply.error
+        s.send(b"\xc1garbage")  # a malformed control message gets an error reply; the conductor goes on
+        assert s.poll(10_000) and isinstance(m.decode(s.recv()), m.ErrorReply)
+    finally:
+        s.close(linger=0)
+    assert served.request("/v1/models")[0] == 200

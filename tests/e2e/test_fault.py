@@ -1,0 +1,86 @@
+"""Faults end to end: `kill -9` the decode process in the middle of a streaming request."""
+
+import json
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+import zmq
+
+from mooncake import messages as m
+from tests.e2e.conftest import E2E_SETTINGS, make_cluster, metrics, post
+
+
+@pytest.fixture
+def cluster(tiny_dir, tmp_path_factory):
+    with make_cluster(tmp_path_factory, "tcp") as c:
+        yield c
+
+
+def cache_stats(cluster) -> dict:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.config.cache_client.nodes[0])
+    try:
+        sock.send(m.encode(m.Stats()))
+        assert sock.poll(10_000), "the cache node did not answer"
+        return m.decode(sock.recv()).stats
+    finally:
+        sock.close(linger=0)
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def test_killing_decode_mid_stream_fails_the_request_cleanly_and_service_recovers(cluster):
+    body = {"model": "tiny", "prompt": "A long story: " * 8, "max_tokens": 3500, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    req = urllib.request.Request(cluster.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events, ended = [], threading.Event()
+
+    def read():
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for line in r:
+                if line.startswith(b"data: "):
+                    events.append((time.monotonic(), line[6:].strip()))
+        ended.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    wait_for(lambda: len(events) >= 3, 60, "the first streamed tokens")
+    killed_at = time.monotonic()
+    cluster.kill("decode-0", signal.SIGKILL)
+    assert ended.wait(30), "the stream did not end after its decode instance died"
+
+    # A terminal error event, then the end of the stream (as vLLM does it).
+    assert events[-1][1] == b"[DONE]"
+    last_at, last = events[-2]
+    assert b'"error"' in last, f"the request finished before decode was killed: {events[-2:]}"
+    error = json.loads(last)["error"]
+    assert "decode instance decode-0" in error["message"] and error["type"] == "server_error"
+    assert last_at - killed_at <= E2E_SETTINGS["conductor.heartbeat_timeout_s"] + 2.0
+    assert len(events) < 3500  # it did not run to the end
+
+    # Nothing of the failed request stays held: prefill's blocks (as its heartbeat reports them) and the
+    # cache node's read leases.
+    used = 'mooncake_instance_kv_blocks_used{instance="prefill-0"}'
+    wait_for(lambda: metrics(cluster.url)[used] == 0, 5, "prefill released its blocks")
+    wait_for(lambda: cache_stats(cluster)["leased_blocks"] == 0, 5, "the cache node released its leases")
+
+    # With no decode instance the API says so; once one is back, requests succeed again.
+    status, reply = post(cluster.url + "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert status == 503 and "decode" in reply["error"]["message"]
+    cluster.spawn(cluster.process("decode-0"))
+    cluster.wait_ready(120)
+    status, reply = post(cluster.url + "/v1/completions", {"model": "tiny", "prompt": "hi again", "max_tokens": 5})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 5
+    assert metrics(cluster.url)['mooncake_requests_total{outcome="error"}'] == 1

@@ -1,0 +1,95 @@
+"""End to end over real processes (cache, conductor, prefill, decode), over tcp and over shm."""
+
+import json
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from tests.e2e.conftest import metrics, post
+
+BLOCK = 16  # engine.block_size in E2E_SETTINGS
+
+
+def completion(cluster, prompt, **extra):
+    status, reply = post(cluster.url + "/v1/completions", {"model": "tiny", "prompt": prompt, "temperature": 0,
+                                                           "return_token_ids": True, **extra})
+    assert status == 200, reply
+    return reply
+
+
+def test_greedy_completion_is_token_identical_to_mooncake_generate(cluster):
+    prompt = f"[{cluster.transport}] The quick brown fox jumps over the lazy dog, " * 3  # > 4 chunks, 8 blocks
+    reply = completion(cluster, prompt, max_tokens=24, ignore_eos=True)
+    config = cluster.process("prefill-0").config_path
+    out = subprocess.run([sys.executable, "-m", "mooncake", "generate", "--config", str(config), "--prompt", prompt,
+                          "--max-tokens", "24", "--json"], capture_output=True, text=True, timeout=300, check=True)
+    local = json.loads(out.stdout)
+    choice = reply["choices"][0]
+    assert choice["token_ids"] == local["token_ids"]
+    assert len(choice["token_ids"]) == 24 and choice["finish_reason"] == "length"
+    assert reply["usage"]["prompt_tokens"] == local["prompt_tokens"]
+    assert reply["usage"]["completion_tokens"] == 24
+
+
+def test_a_shared_prefix_is_reused_and_only_the_rest_computed(cluster):
+    shared = f"{uuid.uuid4().hex} shared system prompt for everyone, long enough to fill blocks. " * 2
+    before = metrics(cluster.url)
+    first = completion(cluster, shared + "First question?", max_tokens=4)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    mid = metrics(cluster.url)
+    second = completion(cluster, shared + "Second, different question?", max_tokens=4)
+    after = metrics(cluster.url)
+
+    n = second["usage"]["prompt_tokens"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == len(shared.encode()) // BLOCK * BLOCK  # byte-level tokenizer: a token per byte
+    computed = 'mooncake_prefill_computed_tokens_total{instance="prefill-0"}'
+    assert after[computed] - mid[computed] == n - cached  # prefill ran only the uncached part
+    assert mid[computed] - before.get(computed, 0) == first["usage"]["prompt_tokens"]
+    hits = "mooncake_prefix_hit_tokens_total"
+    assert after[hits] - mid[hits] == cached
+    assert after['mooncake_kv_transfer_bytes_total{instance="prefill-0"}'] > mid[
+        'mooncake_kv_transfer_bytes_total{instance="prefill-0"}']
+
+
+def test_the_openai_client_works_for_chat_and_completions(cluster):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 12 or whole.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+    text = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0)
+    pieces = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10,
+                                            temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == text.choices[0].text
+    assert pieces[-1].choices[0].finish_reason == text.choices[0].finish_reason
+
+
+def test_bad_input_gets_400s_and_every_role_keeps_serving(cluster):
+    for body in ({"model": "tiny", "prompt": "x", "max_tokens": -3}, {"model": "tiny", "prompt": "x" * 4100},
+                 {"model": "nope", "prompt": "x"}, {"model": "tiny", "prompt": 12}):
+        status, reply = post(cluster.url + "/v1/completions", body)
+        assert status == 400 and reply["error"]["message"], reply
+    assert completion(cluster, "still fine?", max_tokens=3)["usage"]["completion_tokens"] == 3
+    assert all(p.popen.poll() is None for p in cluster.processes)
+
+
+def test_stop_strings_end_the_text_before_them(cluster):
+    full = completion(cluster, "Stop test: ", max_tokens=16, ignore_eos=True)["choices"][0]["text"]
+    # The random model writes random bytes: stop at its first ASCII letter after the start.
+    stop = next((c for c in full[2:] if c.isascii() and c.isalpha()), None)
+    if stop is None:
+        pytest.skip("the random model wrote no ASCII letter here")
+    cut = completion(cluster, "Stop test: ", max_tokens=16, ignore_eos=True, stop=[stop])["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == full[:full.index(stop)]
