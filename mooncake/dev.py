@@ -26,6 +26,16 @@ log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 15.0
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, however it dies (Linux), so a
+    crashed launcher or test run leaves no cluster behind."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,7 +104,7 @@ class DevCluster:
         out = open(proc.log_path, "ab") if proc.log_path else None
         proc.popen = subprocess.Popen([sys.executable, "-m", "mooncake", "serve", "--role", proc.role,
                                        "--config", str(proc.config_path)], stdout=out, stderr=out,
-                                      start_new_session=out is not None)
+                                      start_new_session=out is not None, preexec_fn=_die_with_parent)
         if out:
             out.close()
 

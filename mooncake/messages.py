@@ -145,6 +145,13 @@ class RegisterReply:
     heartbeat_interval_s: float = 0.5
 
 
+@message("leave")
+class Leave:
+    """Instance -> conductor, on a clean stop: take no more work here; fail what is in flight."""
+
+    instance_id: str
+
+
 @message("heartbeat")
 class Heartbeat:
     """Instance -> conductor, every heartbeat interval: its load and what it measured since the last."""
@@ -186,7 +193,8 @@ class PrefillDone:
     num_kv_blocks_sent: int
     kv_bytes: int  # sent to decode
     kv_seconds: float
-    prefill_seconds: float
+    prefill_seconds: float  # receipt to hand-off, queueing included
+    compute_seconds: float  # engine steps that computed this request's prompt
     fetched_bytes: int = 0  # read from the cache pool for reuse
     fetch_seconds: float = 0.0
 

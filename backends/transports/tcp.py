@@ -131,6 +131,8 @@ class TcpTransport(Transport):
                 future.set_result((header, [f.buffer for f in frames[1:]]))
 
     async def _request(self, peer, request_id, frames, timeout_s):
+        if request_id in self._pending:  # replies are matched by id: a duplicate would steal the reply
+            raise TransferError(f"transfer {request_id} to {peer}: a transfer with this id is already in flight")
         future = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:

@@ -51,6 +51,10 @@ class InstanceRegistry:
                 dead.append(instance)
         return dead
 
+    def leave(self, instance_id: str) -> None:
+        """A clean departure: dead from now on, as if its heartbeats had stopped."""
+        self.instances[instance_id].is_alive = False
+
     def alive(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.is_alive and i.role == role]
 

@@ -276,7 +276,8 @@ class Conductor:
         self.metrics.kv_bytes.labels(p.prefill_id).inc(done.kv_bytes)
         self.metrics.kv_seconds.labels(p.prefill_id).inc(done.kv_seconds)
         self.metrics.fetch_bytes.labels(p.prefill_id).inc(done.fetched_bytes)
-        self.estimators.prefill_time.observe(n, done.num_cached_tokens, done.prefill_seconds)
+        # NOTE: compute time, not receipt-to-hand-off: queueing is what T_queue adds on top.
+        self.estimators.prefill_time.observe(n, done.num_cached_tokens, done.compute_seconds)
         if p.fetch_from and done.fetched_bytes:
             self.estimators.bandwidth.observe(p.fetch_from, p.prefill_id, done.fetched_bytes, done.fetch_seconds)
         # NOTE: the decode load was predicted at placement; now the real start is known.
@@ -346,6 +347,12 @@ class Conductor:
                 return m.RegisterReply(accepted=False, error="unregistered")
             self._on_heartbeat(instance, msg)
             return None
+        if isinstance(msg, m.Leave):
+            instance = self.registry.get(msg.instance_id)
+            if instance is not None and instance.is_alive:
+                self.registry.leave(msg.instance_id)
+                self._on_dead(instance, "left the cluster")
+            return None
         if isinstance(msg, (m.PrefillDone, m.Tokens, m.RequestFailed)):
             flight = self.flights.get(msg.request_id)
             if flight is not None:
@@ -394,16 +401,19 @@ class Conductor:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s / 2)
             for instance in self.registry.expire(self.clock()):
-                log.error("%s instance %s missed heartbeats for %g s: marked dead, failing its %d requests",
-                          instance.role, instance.instance_id, self.cfg.heartbeat_timeout_s,
-                          len(instance.request_ids))
-                self.metrics.up.labels(instance.instance_id, instance.role).set(0)
-                self.index.drop_holder(instance.instance_id)
-                for request_id in list(instance.request_ids):
-                    if (flight := self.flights.get(request_id)) is not None:
-                        flight.inbox.put_nowait(RequestFailed(
-                            f"{instance.role} instance {instance.instance_id} stopped responding "
-                            f"(no heartbeat for {self.cfg.heartbeat_timeout_s:g} s); request {request_id} failed"))
+                self._on_dead(instance, f"stopped responding (no heartbeat for {self.cfg.heartbeat_timeout_s:g} s)")
+
+    def _on_dead(self, instance: Instance, why: str) -> None:
+        """It gets no more work, its cached blocks leave the index, and its requests fail."""
+        level = logging.INFO if why == "left the cluster" else logging.ERROR
+        log.log(level, "%s instance %s %s: failing its %d requests", instance.role, instance.instance_id, why,
+                len(instance.request_ids))
+        self.metrics.up.labels(instance.instance_id, instance.role).set(0)
+        self.index.drop_holder(instance.instance_id)
+        for request_id in list(instance.request_ids):
+            if (flight := self.flights.get(request_id)) is not None:
+                flight.inbox.put_nowait(RequestFailed(
+                    f"{instance.role} instance {instance.instance_id} {why}; request {request_id} failed"))
 
     def health(self) -> dict:
         return {role: [i.instance_id for i in self.registry.alive(role)] for role in ("prefill", "decode")} | {

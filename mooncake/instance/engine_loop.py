@@ -29,6 +29,7 @@ class EngineLoop:
         self._task: asyncio.Task | None = None
         # (batch size, context tokens, seconds) of recent steps, for the conductor's step-time model
         self.step_samples: deque[tuple[int, int, float]] = deque(maxlen=256)
+        self.last_step_s = 0.0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -73,12 +74,12 @@ class EngineLoop:
                     self.engine.abort(request_id)
                 await self.on_failed(request_ids, f"engine step failed: {exc}")
                 continue
-            seconds = time.perf_counter() - start
+            seconds = self.last_step_s = time.perf_counter() - start
             if outputs:
                 context = sum(len(s.prompt_token_ids) + len(s.output_token_ids)
                               for o in outputs if (s := self.engine.seqs.get(o.request_id)) is not None)
                 self.step_samples.append((len(outputs), context, seconds))
-                await self.on_outputs(outputs)
+            await self.on_outputs(outputs)
 
     def drain_step_samples(self) -> list[list]:
         samples = []

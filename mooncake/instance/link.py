@@ -38,10 +38,16 @@ class ConductorLink:
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._register_and_beat())]
 
     async def stop(self) -> None:
+        if self.registered.is_set():
+            # NOTE: say goodbye so the conductor stops placing work here now, not a heartbeat timeout later.
+            try:
+                await asyncio.wait_for(self.send(m.Leave(instance_id=self.register_msg.instance_id)), 1.0)
+            except (asyncio.TimeoutError, zmq.ZMQError):
+                pass
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.sock.close(linger=0)
+        self.sock.close(linger=500)  # let the goodbye out
         self.ctx.term()
 
     async def send(self, msg) -> None:

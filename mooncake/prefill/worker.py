@@ -33,6 +33,8 @@ class _Job:
     num_pool_blocks: int = 0  # leading blocks read from the pool (no need to write them back)
     fetched_bytes: int = 0
     fetch_seconds: float = 0.0
+    num_forwarded: int = 0  # prompt tokens computed so far, as of the last step
+    compute_seconds: float = 0.0  # time of the steps that computed some of its prompt
     first_token: int | None = None
     finish_reason: str | None = None
 
@@ -129,7 +131,11 @@ class PrefillWorker(Worker):
     async def on_outputs(self, outputs) -> None:
         # Every request that computed in this step, finished or mid-prompt, streams what just filled.
         for job in self.jobs.values():
-            if job.first_token is None and job.msg.request_id in self.engine.seqs:
+            seq = self.engine.seqs.get(job.msg.request_id)
+            if job.first_token is None and seq is not None:
+                if seq.num_forwarded_tokens > job.num_forwarded:
+                    job.num_forwarded = seq.num_forwarded_tokens
+                    job.compute_seconds += self.loop.last_step_s
                 self._push_new_blocks(job)
         for out in outputs:
             job = self.jobs.get(out.request_id)
@@ -154,7 +160,9 @@ class PrefillWorker(Worker):
         to_pool = [b for i, b in enumerate(blocks) if first_block + i >= job.num_pool_blocks]
         pool_write = (asyncio.create_task(self.cache.put_blocks(to_pool))
                       if self.cache is not None and to_pool else None)
-        result = await self.transport.send(msg.decode_address, blocks, self._time_left(job), msg.request_id)
+        # NOTE: one transfer id per chunk: several chunks of a request may be in flight at once.
+        result = await self.transport.send(msg.decode_address, blocks, self._time_left(job),
+                                           f"{msg.request_id}/{first_block}")
         if pool_write is not None:
             refused = {k: e for k, e in (await pool_write).items() if e}
             if refused:
@@ -182,6 +190,7 @@ class PrefillWorker(Worker):
             num_cached_tokens=done.num_cached_tokens, num_computed_tokens=num_forwarded,
             num_kv_blocks_sent=job.num_sent_blocks, kv_bytes=sum(r.num_bytes for r in results),
             kv_seconds=sum(r.seconds for r in results), prefill_seconds=time.perf_counter() - job.received_s,
+            compute_seconds=job.compute_seconds,
             fetched_bytes=job.fetched_bytes, fetch_seconds=job.fetch_seconds))
 
     def _complete(self, request_id: str):

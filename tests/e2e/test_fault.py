@@ -1,7 +1,8 @@
-"""Faults end to end: `kill -9` the decode process in the middle of a streaming request."""
+"""Faults end to end: a client that goes away mid-stream; `kill -9` of the decode process mid-stream."""
 
 import json
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -13,7 +14,7 @@ from mooncake import messages as m
 from tests.e2e.conftest import E2E_SETTINGS, make_cluster, metrics, post
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster(tiny_dir, tmp_path_factory):
     with make_cluster(tmp_path_factory, "tcp") as c:
         yield c
@@ -38,6 +39,24 @@ def wait_for(condition, timeout_s: float, what: str):
             return
         time.sleep(0.1)
     raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_request_everywhere(cluster):
+    body = json.dumps({"model": "tiny", "prompt": "Go on and on: " * 4, "max_tokens": 3500, "ignore_eos": True,
+                       "stream": True}).encode()
+    host, port = cluster.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        received = b""
+        while received.count(b"data: ") < 3:
+            received += sock.recv(65536)
+    # The socket is closed: the conductor must cancel the request on decode and count it cancelled.
+    cancelled = 'mooncake_requests_total{outcome="cancelled"}'
+    wait_for(lambda: metrics(cluster.url).get(cancelled) == 1, 10, "the request counted as cancelled")
+    used = 'mooncake_instance_kv_blocks_used{instance="decode-0"}'
+    wait_for(lambda: metrics(cluster.url)[used] == 0, 10, "decode released the request's blocks")
+    assert metrics(cluster.url)['mooncake_requests_in_flight{instance="decode-0"}'] == 0
 
 
 def test_killing_decode_mid_stream_fails_the_request_cleanly_and_service_recovers(cluster):

@@ -187,3 +187,36 @@ def test_tcp_address_in_use_is_a_clear_error():
             await second.stop()
             await first.stop()
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_concurrent_transfers_to_one_peer_all_complete(name):
+    """Prefill pushes a request's chunks while earlier chunks are still in flight."""
+    async def run():
+        server, client, service, address = await pair(name)
+        try:
+            batches = [[(10 * i + k, os.urandom(256 << 10)) for k in range(3)] for i in range(4)]
+            results = await asyncio.gather(*(client.send(address, b, timeout_s=10, request_id=f"req/{i}")
+                                             for i, b in enumerate(batches)))
+            assert all(r.ok for r in results)
+            assert all(service.blocks[k] == d for b in batches for k, d in b)
+        finally:
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("name", ["tcp", "shm"])
+def test_a_transfer_id_already_in_flight_is_refused_not_left_hanging(name):
+    async def run():
+        server, client, service, address = await pair(name)
+        try:
+            first = asyncio.create_task(client.send(address, [(1, os.urandom(4 << 20))], 10, request_id="same"))
+            await asyncio.sleep(0)  # let the first one register its id
+            with pytest.raises(TransferError, match="same.*already in flight"):
+                await client.send(address, [(2, b"y")], 10, request_id="same")
+            assert (await first).ok
+        finally:
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())
