@@ -1,5 +1,6 @@
 # The two commands a new user needs (see README.md):
-#   make run   - set up, fetch the default model, and run mooncake on it
+#   make run   - set up, fetch the default model, and serve it (mooncake dev: conductor, prefill,
+#                decode and cache processes; the OpenAI API on http://127.0.0.1:8000/v1)
 #   make test  - set up and run the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -18,7 +19,7 @@ setup: $(VENV)/.installed
 
 run: setup
 	$(BIN)/mooncake model fetch
-	$(BIN)/mooncake generate --chat --prompt "$(PROMPT)"
+	$(BIN)/mooncake dev --ask "$(PROMPT)"
 
 test: setup mooncake-te
 	$(BIN)/python -m pytest

@@ -117,6 +117,8 @@ def dev(
     workdir: Optional[Path] = typer.Option(None, "--workdir", help="Where to write each process's config "
                                            "(default: a new temp directory)."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for every instance to be ready."),
+    question: Optional[str] = typer.Option(None, "--ask", help="Once ready, ask this in a chat request and "
+                                           "print the answer (then keep serving)."),
 ):
     """Run a whole cluster on this box: one process per role on loopback, the REST API at
     http://127.0.0.1:PORT/v1. Prints the URL once every instance is ready; Ctrl-C or SIGTERM stops all."""
@@ -131,7 +133,7 @@ def dev(
         overrides["instance.transport"] = transport
     cfg = load_config(config, overrides)
     resolve_model(cfg.engine.model)  # fetch once here, not in every process at the same time
-    run_dev(DevCluster(cfg, prefill, decode, cache, workdir), timeout)
+    run_dev(DevCluster(cfg, prefill, decode, cache, workdir), timeout, question)
 
 
 @app.command()

@@ -176,8 +176,22 @@ class DevCluster:
         self.stop()
 
 
-def run_dev(cluster: DevCluster, timeout_s: float) -> None:
-    """Start the cluster, print its URL, and keep it up until Ctrl-C or SIGTERM."""
+def ask(url: str, model: str, question: str, timeout_s: float = 300.0) -> str:
+    """One greedy chat turn through the REST API; the answer's text."""
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "temperature": 0,
+            "max_tokens": 64}
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())["choices"][0]["message"]["content"]
+    except urllib.error.HTTPError as exc:
+        raise MooncakeError(f"the cluster answered {exc.code}: {exc.read().decode(errors='replace')}") from None
+
+
+def run_dev(cluster: DevCluster, timeout_s: float, question: str | None = None) -> None:
+    """Start the cluster, print its URL (and the answer to `question`), and keep it up until Ctrl-C or
+    SIGTERM."""
     stopping = []
 
     def on_signal(signum, frame):
@@ -188,7 +202,14 @@ def run_dev(cluster: DevCluster, timeout_s: float) -> None:
     try:
         print(f"starting {len(cluster.processes)} processes (configs in {cluster.workdir}) ...", file=sys.stderr)
         cluster.start(timeout_s)
-        print(f"mooncake is serving at {cluster.url}/v1  (OpenAI API; Ctrl-C stops everything)", flush=True)
+        model = cluster.config.api.model_name or cluster.config.engine.model
+        print(f"mooncake is serving '{model}' at {cluster.url}/v1  (OpenAI API; Ctrl-C stops everything)",
+              flush=True)
+        if question:
+            print(f"Q: {question}\nA: {ask(cluster.url, model, question)}", flush=True)
+        print(f"try: curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+              f"'{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'",
+              flush=True)
         while True:
             time.sleep(1)
             for proc in cluster.processes:

@@ -55,3 +55,20 @@ def test_missing_file_and_bad_toml(tmp_path):
 def test_config_is_frozen():
     with pytest.raises(AttributeError):
         EngineConfig().block_size = 3
+
+
+def test_every_shipped_config_loads():
+    from pathlib import Path
+    files = sorted(Path(__file__).parents[1].glob("configs/**/*.toml"))
+    serving = [f for f in files if "models" not in f.parts]  # configs/models/ holds model specs
+    assert len(serving) >= 8
+    for f in serving:
+        load_config(f)
+
+
+def test_dump_config_round_trips():
+    import tomllib
+    from mooncake.config import dump_config, from_dict, MooncakeConfig
+    cfg = load_config(None, {"engine.model": 'we"ird\\\\path', "cache_client.nodes": ["tcp://a:1", "tcp://b:2"],
+                             "api.port": 0, "conductor.tbt_slo_s": 0.25})
+    assert from_dict(MooncakeConfig, tomllib.loads(dump_config(cfg))) == cfg

@@ -39,7 +39,8 @@ class PlacementPolicy(ABC):
         if not cluster.prefills or not cluster.decodes:
             return None
         choice = self._choose_prefill(request, cluster)
-        decode, tbt_s = self._choose_decode(request, cluster.decodes, now)
+        # NOTE: judge decode load when the request gets there, so requests still in prefill count too.
+        decode, tbt_s = self._choose_decode(request, cluster.decodes, now + choice.ttft_s)
         return Placement(prefill_id=choice.instance.instance_id, decode_id=decode.instance_id,
                          reuse_blocks=choice.reuse_blocks, fetch_from=choice.fetch_from, ttft_s=choice.ttft_s,
                          tbt_s=tbt_s, transfer_s=choice.transfer_s)
@@ -71,10 +72,10 @@ class PlacementPolicy(ABC):
         local = self.index.prefix_len(request.block_hashes, instance.instance_id)
         return self._estimate(request, cluster, instance, local, None, local)
 
-    def _choose_decode(self, request: RequestView, decodes: list[DecodeView], now: float):
+    def _choose_decode(self, request: RequestView, decodes: list[DecodeView], at: float):
         best = None
         for d in decodes:
-            batch, context = d.batch_at(now)
+            batch, context = d.batch_at(at)
             candidate = (self.est.decode_step.predict(batch + 1, context + request.num_tokens), d.instance_id, d)
             if best is None or candidate[:2] < best[:2]:
                 best = candidate

@@ -109,3 +109,16 @@ def test_unknown_policy_and_empty_cluster():
         make_placement_policy("best", PrefixIndex(), estimators())
     policy = make_placement_policy("random", PrefixIndex(), estimators())
     assert policy.place(REQUEST, ClusterView([], [], BLOCK, BLOCK_BYTES), 0) is None
+
+
+def test_decode_goes_where_tbt_is_lowest_counting_requests_still_in_prefill():
+    policy = make_placement_policy("kvcache-centric", PrefixIndex(), estimators())
+    # d0 holds a request that reaches decode in 2 s (still in prefill now); d1 holds nothing.
+    d0 = DecodeView("d0", [DecodeLoad(start_s=2.0, finish_s=60.0, context_tokens=4000)])
+    d1 = DecodeView("d1")
+    placement = policy.place(REQUEST, cluster([PrefillView("p0")], [d0, d1]), now=0.0)
+    assert placement.ttft_s > 2.0  # this request reaches decode after d0's does
+    assert placement.decode_id == "d1"
+    # once d0's request has finished by the time this one arrives, the tie goes to the lower id again
+    d0.requests = [DecodeLoad(start_s=0.0, finish_s=1.0, context_tokens=4000)]
+    assert policy.place(REQUEST, cluster([PrefillView("p0")], [d0, d1]), now=0.0).decode_id == "d0"

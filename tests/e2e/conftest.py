@@ -19,10 +19,11 @@ E2E_SETTINGS = {
 }
 
 
-def make_cluster(tmp_path_factory, transport: str, num_decode: int = 1, **settings) -> DevCluster:
+def make_cluster(tmp_path_factory, transport: str, num_prefill: int = 1, num_decode: int = 1,
+                 **settings) -> DevCluster:
     config = load_config(None, {**E2E_SETTINGS, "instance.transport": transport, **settings})
     workdir = tmp_path_factory.mktemp(f"cluster-{transport}")
-    return DevCluster(config, num_prefill=1, num_decode=num_decode, num_cache=1, workdir=workdir,
+    return DevCluster(config, num_prefill=num_prefill, num_decode=num_decode, num_cache=1, workdir=workdir,
                       log_to_files=True)
 
 
