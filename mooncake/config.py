@@ -90,13 +90,12 @@ class CacheConfig:
 class CacheClientConfig:
     """How prefill and decode reach the cache nodes."""
 
-    nodes: tuple[str, ...] = ("tcp://127.0.0.1:7600",)  # control addresses of the cache nodes
+    nodes: tuple[str, ...] = ("tcp://127.0.0.1:7600",)  # control addresses of the cache nodes; empty: no pool
     replica_num: int = 1  # copies of each block, on different nodes
     timeout_s: float = 5.0  # deadline of each request
 
     def __post_init__(self):
-        _check(len(self.nodes) > 0, "cache_client.nodes", "must name at least one cache node")
-        _check(1 <= self.replica_num <= len(self.nodes), "cache_client.replica_num",
+        _check(1 <= self.replica_num <= max(1, len(self.nodes)), "cache_client.replica_num",
                f"must be between 1 and the number of nodes ({len(self.nodes)})")
         _check(self.timeout_s > 0, "cache_client.timeout_s", "must be > 0")
 

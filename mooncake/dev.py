@@ -73,7 +73,7 @@ class DevCluster:
             config,
             conductor=dataclasses.replace(config.conductor, control_address=conductor_address),
             api=dataclasses.replace(config.api, port=api_port),
-            cache_client=dataclasses.replace(config.cache_client, nodes=tuple(c[1] for c in caches) or ("tcp://127.0.0.1:1",),
+            cache_client=dataclasses.replace(config.cache_client, nodes=tuple(c[1] for c in caches),
                                              replica_num=min(config.cache_client.replica_num, max(1, num_cache))),
             instance=dataclasses.replace(config.instance, conductor_address=conductor_address,
                                          use_cache_pool=num_cache > 0 and config.instance.use_cache_pool))

@@ -39,6 +39,8 @@ class CacheClient:
         self.transports: dict[str, object] = {}
 
     async def start(self) -> None:
+        if not self.config.nodes:
+            raise TransferError("no cache nodes configured (cache_client.nodes is empty)")
         for address in self.config.nodes:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
