@@ -171,6 +171,7 @@ class InstanceConfig:
     transport: str = "tcp"  # KV between prefill and decode: tcp, shm (same host), mooncake, inproc
     data_address: str = ""  # decode's KV inbox; empty: any free loopback port
     use_cache_pool: bool = True  # prefill reads reused blocks from, and writes new ones to, the cache nodes
+    stream_kv: bool = True  # prefill pushes each chunk's KV while computing the next; false: all at the end
     kv_inbox_ttl_s: float = 60.0  # decode drops KV no request claimed within this long
 
     def __post_init__(self):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from mooncake import messages as m
 from mooncake.engine.sampling import SamplingParams
-from mooncake.errors import InvalidRequestError, MooncakeError
+from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
 from mooncake.instance.worker import Worker
 from mooncake.kv_payload import KVPayload
 from mooncake.registry import load_backend
@@ -98,6 +98,8 @@ class PrefillWorker(Worker):
         try:
             params = SamplingParams(**{**msg.sampling, "max_tokens": 1, "stop": ()})
             payloads = await self._read_pool(job)
+            if msg.request_id not in self.jobs:
+                return  # cancelled while reading the pool
             await self.loop.call(self.engine.add_request, msg.token_ids, params, msg.request_id, payloads, True)
         except (InvalidRequestError, TypeError) as exc:
             self.jobs.pop(msg.request_id, None)
@@ -124,7 +126,11 @@ class PrefillWorker(Worker):
             if data is None:
                 break
             job.fetched_bytes += len(data)
-            payloads.append(KVPayload.from_bytes(data))
+            try:
+                payloads.append(KVPayload.from_bytes(data))
+            except KVPayloadError as exc:  # a bad block is a miss: compute from there
+                log.warning("%s: request %s: pool block %#x unusable: %s", self.name, msg.request_id, key, exc)
+                break
         job.num_pool_blocks = local + len(payloads)
         return payloads
 
@@ -136,10 +142,14 @@ class PrefillWorker(Worker):
                 if seq.num_forwarded_tokens > job.num_forwarded:
                     job.num_forwarded = seq.num_forwarded_tokens
                     job.compute_seconds += self.loop.last_step_s
-                self._push_new_blocks(job)
+                if self.config.instance.stream_kv:
+                    self._push_new_blocks(job)
         for out in outputs:
             job = self.jobs.get(out.request_id)
-            if job is not None and out.finished:
+            if job is None and out.finished:
+                self.engine.abort(out.request_id)  # cancelled meanwhile: free the blocks it kept
+            elif job is not None and out.finished:
+                self._push_new_blocks(job)  # the last chunk's blocks (all of them, without stream_kv)
                 job.first_token, job.finish_reason = out.new_token_ids[0], out.finish_reason
                 asyncio.create_task(self._hand_off(job))
 
@@ -178,7 +188,7 @@ class PrefillWorker(Worker):
         msg = job.msg
         try:
             results = await asyncio.wait_for(asyncio.gather(*job.pushes), self._time_left(job))
-        except (TransferError, asyncio.TimeoutError) as exc:
+        except (MooncakeError, asyncio.TimeoutError) as exc:
             await self._drop(msg.request_id)
             await self.report_failure(msg.request_id, f"KV transfer to decode failed: {exc or 'deadline'}")
             return
