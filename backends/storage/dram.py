@@ -1,6 +1,13 @@
 """DRAM tier: one preallocated arena; blocks live at offsets handed out by `mooncake.arena.Arena`.
 `get` returns a zero-copy view, valid until the block is removed (the store's leases keep a block in
-place while a reader holds it)."""
+place while a reader holds it).
+
+With `shared=True` the arena is a file in /dev/shm, so a reader on the same host can map it and copy a
+block straight out of the store (the shm transport's one-copy read): `location(key)` says where."""
+
+import mmap
+import os
+import uuid
 
 from mooncake.arena import Arena
 from mooncake.store.tier import StorageTier
@@ -9,10 +16,23 @@ from mooncake.store.tier import StorageTier
 class DramTier(StorageTier):
     name = "dram"
 
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes: int, shared: bool = False):
         self.capacity_bytes = capacity_bytes
         self._arena = Arena(capacity_bytes)
-        self._view = memoryview(bytearray(capacity_bytes))
+        self.path: str | None = None
+        self._mapping = None
+        if shared:
+            # NOTE: named like the shm transport's segments, so its stale-segment sweep and its path
+            # checks cover this file too.
+            from backends.transports.shm import PREFIX, SHM_DIR, remove_stale_segments
+            remove_stale_segments()
+            self.path = str(SHM_DIR / f"{PREFIX}{os.getpid()}-dram-{uuid.uuid4().hex[:12]}")
+            with open(self.path, "w+b") as f:
+                f.truncate(capacity_bytes)
+                self._mapping = mmap.mmap(f.fileno(), capacity_bytes)
+            self._view = memoryview(self._mapping)
+        else:
+            self._view = memoryview(bytearray(capacity_bytes))
         self._blocks: dict[int, tuple[int, int]] = {}  # key -> (offset, size)
         self._used = 0
 
@@ -53,3 +73,18 @@ class DramTier(StorageTier):
 
     def largest_free_extent(self) -> int:
         return self._arena.largest_free_extent()
+
+    def location(self, key) -> tuple[str, int, int] | None:
+        """(file, offset, size) of a block in a shared arena; None if absent or not shared."""
+        loc = self._blocks.get(key)
+        return None if loc is None or self.path is None else (self.path, loc[0], loc[1])
+
+    def close(self) -> None:
+        if self._mapping is not None:
+            try:
+                self._view.release()
+                self._mapping.close()
+            except BufferError:  # a reader's view is still alive; the mapping goes with it
+                pass
+            os.unlink(self.path)
+            self._mapping = None

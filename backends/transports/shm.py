@@ -22,7 +22,7 @@ class ShmTransport(StagedTransport):
 
     def __init__(self, tamper=None, host: str = "127.0.0.1", segment_bytes: int = 256 << 20):
         super().__init__(tamper=tamper, host=host)
-        _remove_stale_segments()
+        remove_stale_segments()
         self.path = SHM_DIR / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         with open(self.path, "w+b") as f:
             f.truncate(segment_bytes)
@@ -42,18 +42,32 @@ class ShmTransport(StagedTransport):
                 self._peer_maps[path_text] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         return memoryview(self._peer_maps[path_text])
 
+    def _outgoing_located(self, located, request_id):
+        # One copy: blocks already in a shared-memory file (the cache node's DRAM tier) are read by the
+        # peer straight from there; the store's lease keeps them in place meanwhile.
+        if self.tamper or not located or any(loc.shm_path is None for _, loc in located):
+            return super()._outgoing_located(located, request_id)
+        return {"keys": [k for k, _ in located], "sums": [loc.checksum for _, loc in located],
+                "sizes": [len(memoryview(loc.data).cast("B")) for _, loc in located],
+                "locs": [[loc.shm_path, loc.offset] for _, loc in located]}, []
+
     @contextmanager
     def _incoming(self, header, frames, keep=False):
-        view = self._peer_view(header["shm"])
-        blocks, cursor = [], header["addr"]
-        for n in header["sizes"]:
-            blocks.append(bytes(view[cursor:cursor + n]) if keep else view[cursor:cursor + n])
-            cursor += n
+        if "locs" in header:
+            places = [(self._peer_view(path), offset) for path, offset in header["locs"]]
+        else:
+            view = self._peer_view(header["shm"])
+            places, cursor = [], header["addr"]
+            for n in header["sizes"]:
+                places.append((view, cursor))
+                cursor += n
+        blocks = [bytes(v[o:o + n]) if keep else v[o:o + n] for (v, o), n in zip(places, header["sizes"])]
         try:
             yield blocks
         finally:
             blocks.clear()
-            view.release()
+            for v, _ in places:
+                v.release()
 
     async def stop(self) -> None:
         await super().stop()
@@ -71,7 +85,8 @@ class ShmTransport(StagedTransport):
         self.path.unlink(missing_ok=True)
 
 
-def _remove_stale_segments() -> None:
+def remove_stale_segments() -> None:
+    """Delete segments whose owning process is gone (it died without cleaning up)."""
     for path in SHM_DIR.glob(f"{PREFIX}*"):
         try:
             pid = int(path.name[len(PREFIX):].split("-")[0])

@@ -50,7 +50,7 @@ class StagedTransport(TcpTransport):
         if entry is not None:
             self.arena.free(offset, entry[1])
 
-    def _outgoing(self, blocks, request_id):
+    def _outgoing(self, blocks, request_id, sums: list[int] | None = None):
         now = time.monotonic()
         for offset in [o for o, (t, _) in self._staged.items() if now - t > REPLY_TTL_S]:
             self._unstage(offset)
@@ -62,8 +62,15 @@ class StagedTransport(TcpTransport):
             data = self.tamper(key, bytes(view)) if self.tamper else view
             self.buffer[cursor:cursor + len(view)] = np.frombuffer(data, dtype=np.uint8)
             cursor += len(view)
-        return {"keys": [k for k, _ in views], "sums": [checksum(v) for _, v in views], "sizes": sizes,
+        sums = sums if sums is not None else [checksum(v) for _, v in views]
+        return {"keys": [k for k, _ in views], "sums": sums, "sizes": sizes,
                 "addr": self.base_address + offset, "staged": offset, **self._locator()}, []
+
+    def _outgoing_located(self, located, request_id):
+        if self.tamper:
+            return self._outgoing([(k, loc.data) for k, loc in located], request_id)
+        return self._outgoing([(k, loc.data) for k, loc in located], request_id,
+                              sums=[loc.checksum for _, loc in located])
 
     def _sent(self, fields):
         self._unstage(fields["staged"])

@@ -83,14 +83,25 @@ class TcpTransport(Transport):
             with self._incoming(header, data) as blocks:
                 if len(blocks) != len(header["keys"]):
                     raise ValueError(f"{len(header['keys'])} keys but {len(blocks)} blocks of data")
+                with_sum = getattr(self.service, "accepts_checksum", False)
                 errors = []
-                for block in verify_blocks(header["keys"], header["sums"], blocks):
-                    errors.append(self.service.put_block(block.key, block.data) if block.ok else block.error)
+                for block, digest in zip(verify_blocks(header["keys"], header["sums"], blocks), header["sums"]):
+                    if not block.ok:
+                        errors.append(block.error)
+                    else:
+                        errors.append(self.service.put_block(block.key, block.data, digest) if with_sum
+                                      else self.service.put_block(block.key, block.data))
                 num_bytes = sum(len(b) for b in blocks)
             return num_bytes, [pack_header("put-reply", request_id, errors=errors)]
-        found = [(k, d) for k in header["keys"] if (d := self.service.get_block(k)) is not None]
-        fields, frames_out = self._outgoing(found, request_id)
-        num_bytes = sum(len(memoryview(d).cast("B")) for _, d in found)
+        locate = getattr(self.service, "locate_block", None)
+        if locate is not None:
+            located = [(k, loc) for k in header["keys"] if (loc := locate(k)) is not None]
+            fields, frames_out = self._outgoing_located(located, request_id)
+            num_bytes = sum(len(memoryview(loc.data).cast("B")) for _, loc in located)
+        else:
+            found = [(k, d) for k in header["keys"] if (d := self.service.get_block(k)) is not None]
+            fields, frames_out = self._outgoing(found, request_id)
+            num_bytes = sum(len(memoryview(d).cast("B")) for _, d in found)
         return num_bytes, [pack_header("get-reply", request_id, **fields), *frames_out]
 
     def _released(self, header: dict) -> None:
@@ -102,6 +113,13 @@ class TcpTransport(Transport):
         """Header fields and frames carrying `blocks`."""
         keys, sizes, sums, frames = block_frames(blocks, self.tamper)
         return {"keys": keys, "sums": sums}, frames
+
+    def _outgoing_located(self, located: list, request_id: str) -> tuple[dict, list]:
+        """Like `_outgoing`, for blocks whose checksum the service already knows: no hashing here."""
+        if self.tamper:
+            return self._outgoing([(k, loc.data) for k, loc in located], request_id)
+        views = [memoryview(loc.data).cast("B") for _, loc in located]
+        return {"keys": [k for k, _ in located], "sums": [loc.checksum for _, loc in located]}, views
 
     @contextmanager
     def _incoming(self, header: dict, frames: list, keep: bool = False):

@@ -14,21 +14,27 @@ from mooncake.config import MooncakeConfig
 from mooncake.errors import CapacityError, MooncakeError
 from mooncake.registry import load_backend
 from mooncake.store.store import KVStore
+from mooncake.transfer.contract import BlockLocation
 
 log = logging.getLogger(__name__)
 
 
 class StoreService:
     """Adapts the store to the transports' BlockService: capacity errors become per-block errors, and a
-    block being sent is pinned by a short lease instead of copied."""
+    block being sent is pinned by a short lease instead of copied. It also takes the checksum the
+    transport verified on a put and hands it back on a read (`locate_block`), so a block is hashed once
+    on its way in and never again by this node; with a shared DRAM tier, it says where the block lies
+    so a same-host reader copies it straight out of the store."""
+
+    accepts_checksum = True
 
     def __init__(self, store: KVStore, read_lease_s: float):
         self.store = store
         self.read_lease_s = read_lease_s
 
-    def put_block(self, key, data):
+    def put_block(self, key, data, checksum=None):
         try:
-            self.store.put(key, data)
+            self.store.put(key, data, checksum=checksum)
         except CapacityError as exc:
             return f"capacity: {exc}"
         return None
@@ -36,6 +42,14 @@ class StoreService:
     def get_block(self, key):
         lease = self.store.get(key, lease_s=self.read_lease_s)
         return None if lease is None else lease.data
+
+    def locate_block(self, key) -> BlockLocation | None:
+        lease = self.store.get(key, lease_s=self.read_lease_s)
+        if lease is None:
+            return None
+        where = self.store.dram_location(key) if lease.tier == "dram" else None
+        return BlockLocation(lease.data, self.store.checksum_of(key, lease.data),
+                             *(where[:2] if where else (None, 0)))
 
 
 class CacheServer:
@@ -50,7 +64,8 @@ class CacheServer:
 
     async def start(self) -> None:
         cfg = self.config.cache
-        self.store = KVStore(self.config.store)
+        # NOTE: over shm, the DRAM tier lives in shared memory so same-host readers copy out of it directly.
+        self.store = KVStore(self.config.store, shared_dram=cfg.transport == "shm")
         self.transport = load_backend("transports", cfg.transport)()
         self.data_address = await self.transport.start(StoreService(self.store, cfg.read_lease_s),
                                                        cfg.data_address or None)

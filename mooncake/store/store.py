@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from mooncake.config import StoreConfig
 from mooncake.errors import CapacityError
+from mooncake.hashing import checksum
 from mooncake.store.eviction import make_policy
 from mooncake.store.tier import StorageTier
 
@@ -49,10 +50,10 @@ class StoreMetrics:
 
 class KVStore:
     def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.monotonic,
-                 tiers: list[StorageTier] | None = None):
+                 tiers: list[StorageTier] | None = None, shared_dram: bool = False):
         if tiers is None:
             from backends.storage.dram import DramTier
-            tiers = [DramTier(config.dram_bytes)]
+            tiers = [DramTier(config.dram_bytes, shared=shared_dram)]
             if config.ssd_dir:
                 from backends.storage.ssd import SsdTier
                 tiers.append(SsdTier(config.ssd_dir, config.ssd_bytes, fsync=config.ssd_fsync))
@@ -69,14 +70,18 @@ class KVStore:
         self._leases: dict[int, tuple[int, float]] = {}  # lease id -> (key, expiry)
         self._lease_expiry: list[tuple[float, int]] = []
         self._leased = Counter()  # key -> live leases
+        self._sums: dict[int, int] = {}  # key -> xxh3 of its bytes, once known (objects are immutable)
 
     # -- writes -----------------------------------------------------------------------------------
 
-    def put(self, key: int, data, position: int = 0) -> None:
+    def put(self, key: int, data, position: int = 0, checksum: int | None = None) -> None:
         """Store an immutable block; a key already held is a no-op. `position` is the block's index in
-        its prompt (for length-aware eviction). Raises CapacityError if no tier can make room."""
+        its prompt (for length-aware eviction); `checksum`, when the caller verified one, is kept so
+        readers can be given it without hashing again. Raises CapacityError if no tier can make room."""
         if self._tier_of(key) is not None:
             return
+        if checksum is not None:
+            self._sums[key] = checksum
         self._expire_leases()
         size = len(memoryview(data).cast("B"))
         for tier in self.tiers:
@@ -84,6 +89,7 @@ class KVStore:
                 self.metrics.bytes_in += size
                 self._events.append(StoreEvent("add", key, tier.name))
                 return
+        self._sums.pop(key, None)
         raise CapacityError(f"store full: cannot place a {size}-byte block; every tier's blocks are leased "
                             f"or the block is larger than a tier")
 
@@ -159,6 +165,19 @@ class KVStore:
             found.append(tier.name)
         return found
 
+    def checksum_of(self, key: int, data) -> int:
+        """The block's checksum: remembered from its put, or computed once and remembered."""
+        digest = self._sums.get(key)
+        if digest is None:
+            digest = self._sums[key] = checksum(data)
+        return digest
+
+    def dram_location(self, key: int) -> tuple[str, int, int] | None:
+        """(shared-memory file, offset, size) of a block in a shared DRAM tier, else None."""
+        top = self.tiers[0]
+        locate = getattr(top, "location", None)
+        return locate(key) if locate is not None else None
+
     def num_leased(self) -> int:
         """Blocks some live lease pins (expired leases are let go first)."""
         self._expire_leases()
@@ -202,6 +221,7 @@ class KVStore:
                 self.metrics.demotions += 1
                 return
             self._events.append(StoreEvent("evict", key, tier.name))
+            self._sums.pop(key, None)
             return
         self._drop(tier, key)
 
@@ -225,6 +245,7 @@ class KVStore:
         self.policies[tier.name].remove(key)
         if announce:
             self._events.append(StoreEvent("evict", key, tier.name))
+            self._sums.pop(key, None)
 
     def _expire_leases(self) -> None:
         now = self.clock()

@@ -26,6 +26,21 @@ class BlockService(Protocol):
     def get_block(self, key: int) -> bytes | memoryview | None:
         """The block's bytes, or None if absent."""
 
+    # Optional, for services that know more (the cache role's store):
+    #   accepts_checksum = True  -> put_block(key, data, checksum) gets the checksum the transport verified
+    #   locate_block(key) -> BlockLocation | None, used instead of get_block when present
+
+
+@dataclass(frozen=True)
+class BlockLocation:
+    """A block a service serves without re-hashing: its bytes, its known checksum and, when it lies in a
+    shared-memory file a same-host peer can map, that file and the offset."""
+
+    data: bytes | memoryview
+    checksum: int
+    shm_path: str | None = None
+    offset: int = 0
+
 
 @dataclass(frozen=True)
 class BlockResult:

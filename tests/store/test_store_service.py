@@ -1,0 +1,64 @@
+"""The cache role's BlockService over the transports: checksums verified on the way in are reused on the
+way out, and over shm a reader copies blocks straight out of the store's shared DRAM tier."""
+
+import asyncio
+import os
+
+import pytest
+
+from mooncake.config import StoreConfig
+from mooncake.hashing import checksum
+from mooncake.registry import load_backend
+from mooncake.store.server import StoreService
+from mooncake.store.store import KVStore
+
+
+async def serve(transport_name: str, shared: bool):
+    store = KVStore(StoreConfig(dram_bytes=64 << 20), shared_dram=shared)
+    cls = load_backend("transports", transport_name)
+    server, client = cls(), cls()
+    address = await server.start(StoreService(store, read_lease_s=5.0))
+    await client.start()
+    return store, server, client, address
+
+
+@pytest.mark.parametrize("name, shared", [("tcp", False), ("shm", True), ("shm", False)])
+def test_blocks_round_trip_and_are_hashed_once_on_the_node(name, shared, monkeypatch):
+    async def run():
+        store, server, client, address = await serve(name, shared)
+        try:
+            blocks = [(k, os.urandom(size)) for k, size in enumerate([1, 4096, 3 << 20])]
+            assert (await client.send(address, blocks, timeout_s=10)).ok
+            assert store._sums == {k: checksum(d) for k, d in blocks}  # remembered from the put
+            calls = []
+            monkeypatch.setattr("mooncake.store.store.checksum", lambda data: calls.append(1) or 0)
+            got = await client.fetch(address, [0, 1, 2, 9], timeout_s=10)
+            assert [bytes(b.data) for b in got.blocks[:3]] == [d for _, d in blocks]
+            assert got.blocks[3].error == "not found" and calls == []  # no re-hash on the node
+        finally:
+            await client.stop()
+            await server.stop()
+            store.close()
+    asyncio.run(run())
+
+
+def test_over_shm_a_reader_copies_from_the_store_and_corruption_there_is_caught():
+    async def run():
+        store, server, client, address = await serve("shm", True)
+        try:
+            data = os.urandom(1 << 20)
+            assert (await client.send(address, [(7, data)], timeout_s=10)).ok
+            path, offset, size = store.dram_location(7)
+            assert os.path.exists(path) and size == len(data)
+            got = await client.fetch(address, [7], timeout_s=10)
+            assert got.ok and bytes(got.blocks[0].data) == data
+            assert server.arena.largest_free_extent() == server.arena.capacity_bytes  # nothing staged
+            store.tiers[0]._view[offset + 100] ^= 0xFF  # memory corruption in the store
+            bad = await client.fetch(address, [7], timeout_s=10)
+            assert not bad.ok and "checksum" in bad.blocks[0].error and bad.blocks[0].data is None
+        finally:
+            await client.stop()
+            await server.stop()
+            store.close()
+        assert not os.path.exists(path)  # the shared DRAM file goes with the store
+    asyncio.run(run())
