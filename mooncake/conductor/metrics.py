@@ -43,8 +43,41 @@ class ConductorMetrics:
         self.kv_used = Gauge("mooncake_instance_kv_blocks_used", "KV blocks held by requests", ["instance"],
                              registry=r)
         self.kv_total = Gauge("mooncake_instance_kv_blocks", "KV blocks of the instance", ["instance"], registry=r)
+        # The cache nodes' own counters, polled by the conductor so one scrape covers the pool too.
+        node_tier = ["node", "tier"]
+        self.cache_hits = Gauge("mooncake_cache_hits", "Reads served, per cache node and tier", node_tier, registry=r)
+        self.cache_misses = Gauge("mooncake_cache_misses", "Reads of absent blocks, per cache node", ["node"],
+                                  registry=r)
+        self.cache_evictions = Gauge("mooncake_cache_evictions", "Blocks evicted, per cache node and tier",
+                                     node_tier, registry=r)
+        self.cache_blocks = Gauge("mooncake_cache_blocks", "Blocks held, per cache node and tier", node_tier,
+                                  registry=r)
+        self.cache_used = Gauge("mooncake_cache_used_bytes", "Bytes held, per cache node and tier", node_tier,
+                                registry=r)
+        self.cache_capacity = Gauge("mooncake_cache_capacity_bytes", "Capacity, per cache node and tier", node_tier,
+                                    registry=r)
+        self.cache_bytes = Gauge("mooncake_cache_bytes", "Block bytes in (put) and out (get), per cache node",
+                                 ["node", "direction"], registry=r)
+        self.cache_rate = Gauge("mooncake_cache_transfer_gbytes_per_s",
+                                "Mean rate of the puts and gets a cache node served", ["node", "op"], registry=r)
         self.index_blocks = Gauge("mooncake_prefix_index_blocks", "Block hashes in the global prefix index",
                                   registry=r)
+
+    def record_cache_stats(self, node: str, stats: dict) -> None:
+        """One cache node's `stats` reply (see mooncake/store/server.py) into the gauges."""
+        for tier, n in stats.get("hits", {}).items():
+            self.cache_hits.labels(node, tier).set(n)
+        self.cache_misses.labels(node).set(stats.get("misses", 0))
+        for tier, n in stats.get("evictions", {}).items():
+            self.cache_evictions.labels(node, tier).set(n)
+        for gauge, key in ((self.cache_blocks, "blocks"), (self.cache_used, "used_bytes"),
+                           (self.cache_capacity, "capacity_bytes")):
+            for tier, n in stats.get(key, {}).items():
+                gauge.labels(node, tier).set(n)
+        self.cache_bytes.labels(node, "in").set(stats.get("bytes_in", 0))
+        self.cache_bytes.labels(node, "out").set(stats.get("bytes_out", 0))
+        for op, served in stats.get("transfers", {}).items():
+            self.cache_rate.labels(node, op).set(served.get("gbytes_per_s", 0.0))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,5 +1,6 @@
 """Feeds the global prefix index from the cache nodes: asks each node (retrying until it answers) where
-it publishes, subscribes, and applies its batched add/evict events under the node's id."""
+it publishes, subscribes, and applies its batched add/evict events under the node's id. Also polls each
+node's counters for the conductor's /metrics."""
 
 import asyncio
 import logging
@@ -13,11 +14,13 @@ from mooncake.conductor.prefix_index import PrefixIndex
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0
+STATS_INTERVAL_S = 2.0
 
 
 class PoolWatcher:
-    def __init__(self, nodes: tuple[str, ...], index: PrefixIndex, timeout_s: float):
+    def __init__(self, nodes: tuple[str, ...], index: PrefixIndex, timeout_s: float, on_stats=None):
         self.nodes = nodes
+        self.on_stats = on_stats  # called with (node id, stats dict) every STATS_INTERVAL_S
         self.index = index
         self.timeout_s = timeout_s
         self.ctx = zmq.asyncio.Context()
@@ -49,9 +52,32 @@ class PoolWatcher:
                 sock.close(linger=0)
             await asyncio.sleep(RETRY_S)
 
+    async def _poll_stats(self, address: str, node_id: str) -> None:
+        sock = None
+        try:
+            while True:
+                if sock is None:
+                    sock = self.ctx.socket(zmq.DEALER)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.connect(address)
+                await sock.send(m.encode(m.Stats()))
+                try:
+                    reply = m.decode(await asyncio.wait_for(sock.recv(), self.timeout_s))
+                    if isinstance(reply, m.StatsReply):
+                        self.on_stats(node_id, reply.stats)
+                except (asyncio.TimeoutError, m.MessageError):
+                    sock.close(linger=0)  # a late reply must not answer the next poll
+                    sock = None
+                await asyncio.sleep(STATS_INTERVAL_S)
+        finally:
+            if sock is not None:
+                sock.close(linger=0)
+
     async def _watch(self, address: str) -> None:
         hello = await self._hello(address)
         self.node_ids[address] = hello.node_id
+        if self.on_stats is not None:
+            self._tasks.append(asyncio.create_task(self._poll_stats(address, hello.node_id)))
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")

@@ -126,7 +126,8 @@ class Conductor:
             await self.stop()
             raise MooncakeError(f"conductor: cannot listen on conductor.control_address = "
                                 f"{self.cfg.control_address}: {exc}") from None
-        self.pool = PoolWatcher(self.config.cache_client.nodes, self.index, self.config.cache_client.timeout_s)
+        self.pool = PoolWatcher(self.config.cache_client.nodes, self.index, self.config.cache_client.timeout_s,
+                                on_stats=self.metrics.record_cache_stats)
         self.pool.start()
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch_liveness())]
         log.info("conductor ready: model %s (%s), control %s, placement %s, admission %s",

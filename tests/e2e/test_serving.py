@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -52,6 +53,19 @@ def test_a_shared_prefix_is_reused_and_only_the_rest_computed(cluster):
     assert after[hits] - mid[hits] == cached
     assert after['mooncake_kv_transfer_bytes_total{instance="prefill-0"}'] > mid[
         'mooncake_kv_transfer_bytes_total{instance="prefill-0"}']
+
+
+def test_metrics_cover_the_cache_nodes(cluster):
+    completion(cluster, f"{uuid.uuid4().hex} fills a few blocks of the pool, " * 2, max_tokens=2)
+    deadline = time.monotonic() + 10  # the conductor polls cache nodes every couple of seconds
+    while time.monotonic() < deadline:
+        m = metrics(cluster.url)
+        if m.get('mooncake_cache_blocks{node="cache-0",tier="dram"}', 0) > 0:
+            break
+        time.sleep(0.2)
+    assert m['mooncake_cache_blocks{node="cache-0",tier="dram"}'] > 0
+    assert m['mooncake_cache_bytes{direction="in",node="cache-0"}'] > 0
+    assert m['mooncake_cache_capacity_bytes{node="cache-0",tier="dram"}'] == 128 << 20
 
 
 def test_the_openai_client_works_for_chat_and_completions(cluster):
