@@ -9,7 +9,10 @@
   reaches decode, a TTFT from now. Count what will be decoding then (running requests not yet finished,
   plus requests still in prefill that will have arrived) and reject if that TBT would break the SLO.
   Rejecting on current load makes prefill and decode load swing in anti-phase, since decode load lags
-  admissions by the prefill time; predicting it removes the lag."""
+  admissions by the prefill time; predicting it removes the lag.
+
+A TBT rejection protects the other requests in a decode batch; a request that would decode alone is
+never rejected for TBT (turning it away helps nobody, and on slow hardware it would refuse everything)."""
 
 from abc import ABC, abstractmethod
 
@@ -36,9 +39,12 @@ class AdmissionPolicy(ABC):
         return None
 
     def decode_load(self, request: RequestView, placement: Placement, cluster: ClusterView, at: float) -> float:
-        """TBT / TBT SLO of the chosen decode instance at time `at`, with this request added."""
+        """TBT / TBT SLO of the chosen decode instance at time `at`, with this request added; 0 when the
+        request would be alone there."""
         decode = next(d for d in cluster.decodes if d.instance_id == placement.decode_id)
         batch, context = decode.batch_at(at)
+        if batch == 0:
+            return 0.0
         return self.decode_step.predict(batch + 1, context + request.num_tokens) / self.tbt_slo_s
 
 
@@ -56,8 +62,8 @@ class EarlyRejection(AdmissionPolicy):
     def admit(self, request, placement, cluster, now):
         if (rejection := self.ttft_rejection(placement)) is not None:
             return rejection
-        if self.decode_load(request, placement, cluster, now) > 1.0:
-            return Rejection("tbt_slo", placement.ttft_s, placement.tbt_s)
+        if (load := self.decode_load(request, placement, cluster, now)) > 1.0:
+            return Rejection("tbt_slo", placement.ttft_s, load * self.tbt_slo_s)
         return None
 
 

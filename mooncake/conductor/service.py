@@ -173,9 +173,12 @@ class Conductor:
             self.metrics.rejections.labels(rejection.reason).inc()
             log.info("rejected %s: %s (TTFT %.2f s, TBT %.3f s predicted)", request_id, rejection.reason,
                      rejection.ttft_s, rejection.tbt_s)
-            what = "time to first token" if rejection.reason == "ttft_slo" else "time between tokens"
-            raise Rejected(rejection.reason, f"the cluster is overloaded: the predicted {what} would break its "
-                           f"SLO; retry later", retry_after_s=max(1.0, placement.ttft_s))
+            if rejection.reason == "ttft_slo":
+                what = f"time to first token {rejection.ttft_s:.2f} s exceeds conductor.ttft_slo_s = {self.cfg.ttft_slo_s:g} s"
+            else:
+                what = f"time between tokens {rejection.tbt_s:.3f} s exceeds conductor.tbt_slo_s = {self.cfg.tbt_slo_s:g} s"
+            raise Rejected(rejection.reason, f"the cluster is overloaded: the predicted {what}; retry later",
+                           retry_after_s=max(1.0, placement.ttft_s))
         reused_tokens = placement.reuse_blocks * self.block_size
         predicted_prefill_s = self.estimators.prefill_time.predict(len(prompt_token_ids), reused_tokens)
         start = now + placement.ttft_s

@@ -151,6 +151,7 @@ def test_predicted_ttft_over_the_slo_is_429_with_retry_after(tiny_dir):
     try:
         status, reply, headers = s.request("/v1/completions", ok_body())
         assert status == 429 and reply["error"]["code"] == "ttft_slo", reply
+        assert "conductor.ttft_slo_s = 1e-06" in reply["error"]["message"]
         assert int(headers["Retry-After"]) >= 1
         metrics = urllib.request.urlopen(s.url + "/metrics", timeout=10).read().decode()
         assert 'mooncake_rejections_total{reason="ttft_slo"} 1.0' in metrics

@@ -40,6 +40,13 @@ def test_predictive_counts_requests_still_in_prefill():
     assert rejection.reason == "tbt_slo" and rejection.tbt_s == pytest.approx(0.11)
 
 
+def test_a_request_that_would_decode_alone_is_never_rejected_for_tbt():
+    slow = make_admission_policy("predictive", DecodeStepModel(0.5, 0.0, 0.0), TTFT_SLO, TBT_SLO)  # 500 ms steps
+    assert slow.admit(REQUEST, placement(), view([]), now=0.0) is None
+    rejection = slow.admit(REQUEST, placement(), view([DecodeLoad(0, 60, 100)]), now=0.0)
+    assert rejection.reason == "tbt_slo" and rejection.tbt_s == pytest.approx(0.5)
+
+
 def test_ttft_slo_and_accept_all():
     assert policy("early").admit(REQUEST, placement(ttft_s=31.0), view([]), 0).reason == "ttft_slo"
     assert policy("predictive").admit(REQUEST, placement(ttft_s=31.0), view([]), 0).reason == "ttft_slo"
