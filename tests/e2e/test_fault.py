@@ -103,3 +103,13 @@ def test_killing_decode_mid_stream_fails_the_request_cleanly_and_service_recover
     status, reply = post(cluster.url + "/v1/completions", {"model": "tiny", "prompt": "hi again", "max_tokens": 5})
     assert status == 200 and reply["usage"]["completion_tokens"] == 5
     assert metrics(cluster.url)['mooncake_requests_total{outcome="error"}'] == 1
+
+
+def test_a_restarted_conductor_gets_its_instances_back(cluster):
+    cluster.kill("conductor", signal.SIGKILL)
+    cluster.spawn(cluster.process("conductor"))
+    health = cluster.wait_ready(120)  # instances hear "unregistered" on their next heartbeat and rejoin
+    assert health["prefill"] == ["prefill-0"] and health["decode"] == ["decode-0"]
+    status, reply = post(cluster.url + "/v1/completions", {"model": "tiny", "prompt": "after the restart",
+                                                           "max_tokens": 4})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 4
