@@ -189,7 +189,8 @@ class SimConfig:
     num_prefill: int = 8
     num_decode: int = 8
     num_instances: int = 16  # vllm mode
-    dram_blocks_per_node: int = 8192  # each prefill node's share of the KVCache pool
+    dram_blocks_per_node: int = 8192  # each node's share of the KVCache pool
+    pool_decode_dram: bool = True  # decode nodes' DRAM joins the pool too (the KV they receive stays there)
     vllm_cache_blocks: int = 3000  # vllm mode: local prefix cache in spare HBM
     prefix_caching: bool = True  # vllm mode
     chunked_prefill: bool = True  # vllm mode

@@ -1,5 +1,6 @@
-"""A simulated Mooncake cluster: prefill and decode instances apart, every prefill node's DRAM pooled
-into one KVCache, and the conductor's own policy classes placing and admitting each request.
+"""A simulated Mooncake cluster: prefill and decode instances apart, every node's DRAM (prefill, and decode
+unless `sim.pool_decode_dram` is off) pooled into one KVCache, and the conductor's own policy classes
+placing and admitting each request.
 
 Prefill instances run their queue one request at a time (reusing the chosen prefix, fetching it first
 when it lives elsewhere); new blocks join the node's pool and the global index. KV streams to decode
@@ -52,6 +53,7 @@ class _Active:
 @dataclass
 class _Decode:
     instance_id: str
+    pool: NodePool | None = None  # its node's DRAM share of the pool, when pooled
     running: list = field(default_factory=list)
     pending: list = field(default_factory=list)  # KV arrived, joins at the next step
     incoming: dict = field(default_factory=dict)  # request id -> _Job still in prefill
@@ -74,7 +76,8 @@ class DisaggregatedCluster(SimulatedCluster):
         self.tbt_slo_s = conductor.tbt_slo_s
         self.ttft_slo_s = conductor.ttft_slo_s
         self.prefills = {f"p{i}": _Prefill(f"p{i}", NodePool(cfg.dram_blocks_per_node)) for i in range(cfg.num_prefill)}
-        self.decodes = {f"d{i}": _Decode(f"d{i}") for i in range(cfg.num_decode)}
+        self.decodes = {f"d{i}": _Decode(f"d{i}", NodePool(cfg.dram_blocks_per_node) if cfg.pool_decode_dram else None)
+                        for i in range(cfg.num_decode)}
         self.block_bytes = cost.kv_bytes(cfg.block_tokens)
 
 
@@ -136,8 +139,9 @@ class DisaggregatedCluster(SimulatedCluster):
         n = job.record.input_tokens
         local = p.pool.prefix_len(job.hashes)
         fetched = 0
-        if job.fetch_from is not None and job.fetch_from in self.prefills:  # blocks may have gone since
-            fetched = max(0, min(job.reuse_blocks, self.prefills[job.fetch_from].pool.prefix_len(job.hashes)) - local)
+        holder = self.prefills.get(job.fetch_from) or self.decodes.get(job.fetch_from)
+        if holder is not None and holder.pool is not None:  # blocks may have gone since placement
+            fetched = max(0, min(job.reuse_blocks, holder.pool.prefix_len(job.hashes)) - local)
         reused = min((local + fetched) * self.cfg.block_tokens, n - 1)
         compute_s = self.cost.prefill_s(n, reused)
         self.prefill_gpu_s += compute_s
@@ -156,12 +160,16 @@ class DisaggregatedCluster(SimulatedCluster):
         if job.record.output_tokens > 1:
             # Layer-wise streaming: all but the last layer's KV moved while later layers computed.
             last_layer_s = self.cost.transfer_s(self.cost.kv_bytes(job.record.input_tokens)) / self.cost.layers
-            self.loop.at(now + last_layer_s, self._kv_arrived, decode, job.record)
+            self.loop.at(now + last_layer_s, self._kv_arrived, decode, job.record, job.hashes)
         self._start_prefill(p)
 
     # -- decode ---------------------------------------------------------------------------------
 
-    def _kv_arrived(self, d: _Decode, record: RequestRecord) -> None:
+    def _kv_arrived(self, d: _Decode, record: RequestRecord, hashes: tuple[int, ...] = ()) -> None:
+        if d.pool is not None:  # the prompt's KV now sits in this node's DRAM: it joins the pool
+            added, evicted = d.pool.insert(hashes)
+            self.index.add(d.instance_id, added)
+            self.index.remove(d.instance_id, evicted)
         if self.cfg.reject_at_decode:
             batch = len(d.running) + len(d.pending) + 1
             context = sum(a.context for a in d.running + d.pending) + record.input_tokens

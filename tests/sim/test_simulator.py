@@ -100,3 +100,22 @@ def test_sweep_runs_every_speed_and_split(tmp_path):
                                                                        (4.0, 3, 1)]
     by = {(r["speed"], r["prefill"]): r for r in rows}
     assert by[(4.0, 2)]["mean_ttft_s"] >= by[(1.0, 2)]["mean_ttft_s"]  # more load, no faster first tokens
+
+
+def test_decode_nodes_dram_joins_the_pool(tmp_path):
+    """Tiny per-node pools: with decode DRAM pooled the cluster holds twice the blocks, hits more, and
+    decode nodes show up as holders prefill instances may fetch from."""
+    from mooncake.sim.trace import load_trace
+    requests = load_trace(small_trace(tmp_path))
+    hit = {}
+    for pooled in (False, True):
+        cfg = config(**{"sim.pool_decode_dram": pooled, "sim.dram_blocks_per_node": 4})
+        cluster = DisaggregatedCluster(cfg.sim, cfg.conductor, CostModel())
+        records = cluster.run(requests)
+        hit[pooled] = sum(r.cached_tokens for r in records)
+        for decode_id, decode in cluster.decodes.items():
+            if pooled:
+                assert decode.pool.blocks and all(decode_id in cluster.index.holders(b) for b in decode.pool.blocks)
+            else:
+                assert decode.pool is None
+    assert hit[True] > hit[False]
