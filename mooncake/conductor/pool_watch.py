@@ -36,42 +36,31 @@ class PoolWatcher:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.ctx.destroy(linger=0)
 
+    async def _ask(self, address: str, request):
+        """One request/reply with a node on a fresh socket (so a late reply never answers the next
+        question); None if it did not answer in time."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        try:
+            await sock.send(m.encode(request))
+            return m.decode(await asyncio.wait_for(sock.recv(), self.timeout_s))
+        except (asyncio.TimeoutError, m.MessageError):
+            return None
+        finally:
+            sock.close(linger=0)
+
     async def _hello(self, address: str) -> m.HelloReply:
-        while True:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-            try:
-                await sock.send(m.encode(m.Hello()))
-                reply = m.decode(await asyncio.wait_for(sock.recv(), self.timeout_s))
-                if isinstance(reply, m.HelloReply):
-                    return reply
-            except (asyncio.TimeoutError, m.MessageError):
-                log.info("cache node %s is not answering yet; its blocks are not indexed", address)
-            finally:
-                sock.close(linger=0)
+        while not isinstance(reply := await self._ask(address, m.Hello()), m.HelloReply):
+            log.info("cache node %s is not answering yet; its blocks are not indexed", address)
             await asyncio.sleep(RETRY_S)
+        return reply
 
     async def _poll_stats(self, address: str, node_id: str) -> None:
-        sock = None
-        try:
-            while True:
-                if sock is None:
-                    sock = self.ctx.socket(zmq.DEALER)
-                    sock.setsockopt(zmq.LINGER, 0)
-                    sock.connect(address)
-                await sock.send(m.encode(m.Stats()))
-                try:
-                    reply = m.decode(await asyncio.wait_for(sock.recv(), self.timeout_s))
-                    if isinstance(reply, m.StatsReply):
-                        self.on_stats(node_id, reply.stats)
-                except (asyncio.TimeoutError, m.MessageError):
-                    sock.close(linger=0)  # a late reply must not answer the next poll
-                    sock = None
-                await asyncio.sleep(STATS_INTERVAL_S)
-        finally:
-            if sock is not None:
-                sock.close(linger=0)
+        while True:
+            if isinstance(reply := await self._ask(address, m.Stats()), m.StatsReply):
+                self.on_stats(node_id, reply.stats)
+            await asyncio.sleep(STATS_INTERVAL_S)
 
     async def _watch(self, address: str) -> None:
         hello = await self._hello(address)

@@ -80,6 +80,12 @@ class Flight:
     finished: bool = False
 
 
+def _wire_sampling(params: SamplingParams) -> dict:
+    """The sampling fields instances need; stop strings stay here (the conductor matches them on text)."""
+    return {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "seed": params.seed, "ignore_eos": params.ignore_eos, "stop_token_ids": list(params.stop_token_ids)}
+
+
 class Conductor:
     def __init__(self, config: MooncakeConfig, clock=time.monotonic):
         self.config = config
@@ -190,11 +196,9 @@ class Conductor:
             self.registry.get(instance_id).request_ids.add(request_id)
             self.metrics.in_flight.labels(instance_id).inc()
         decode = self.registry.get(placement.decode_id)
-        sampling = {k: getattr(params, k) for k in ("temperature", "top_p", "top_k", "seed", "ignore_eos")}
-        sampling["stop_token_ids"] = list(params.stop_token_ids)
         ok = await self._send(placement.prefill_id, m.Prefill(
             request_id=request_id, token_ids=flight.prompt_token_ids, block_hashes=hashes,
-            sampling=sampling, decode_id=decode.instance_id, decode_transport=decode.transport,
+            sampling=_wire_sampling(params), decode_id=decode.instance_id, decode_transport=decode.transport,
             decode_address=decode.data_address, reuse_blocks=placement.reuse_blocks,
             deadline_s=self.cfg.prefill_timeout_s))
         if not ok:
@@ -232,8 +236,7 @@ class Conductor:
         if event.finish_reason is not None:
             return
         decode_id = flight.placement.decode_id
-        sampling = {k: getattr(params, k) for k in ("temperature", "top_p", "top_k", "seed", "ignore_eos")}
-        sampling.update(stop_token_ids=list(params.stop_token_ids), max_tokens=params.max_tokens - 1)
+        sampling = {**_wire_sampling(params), "max_tokens": params.max_tokens - 1}  # the first token is out
         if not await self._send(decode_id, m.Decode(request_id=request_id,
                                                     token_ids=flight.prompt_token_ids + [done.first_token],
                                                     block_hashes=flight.block_hashes, sampling=sampling)):
