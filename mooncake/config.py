@@ -194,12 +194,14 @@ class SimConfig:
     vllm_cache_blocks: int = 3000  # vllm mode: local prefix cache in spare HBM
     prefix_caching: bool = True  # vllm mode
     chunked_prefill: bool = True  # vllm mode
-    chunk_tokens: int = 8192
+    chunk_tokens: int = 512  # vllm mode: tokens per step with chunked prefill (vLLM's default then)
     decode_kv_tokens: int = 1_500_000  # KV one instance's HBM holds for decoding
     reject_at_decode: bool = False  # the rejection study's baseline: decode refuses what would break TBT
     speed: float = 1.0  # trace time compression
     block_tokens: int = 512
-    mfu: float = 0.45
+    mfu: float = 0.45  # prefill MFU, fitted to the paper's TTFT by scheduler (scripts/sim_paper.py --fit-mfu)
+    decode_efficiency: float = 0.6  # share of HBM bandwidth a decode step achieves
+    decode_overhead_s: float = 0.012  # per decode step: kernel launches, TP all-reduces, sampling
 
     def __post_init__(self):
         _check(self.mode in ("mooncake", "vllm"), "sim.mode", "must be 'mooncake' or 'vllm'")
@@ -209,6 +211,8 @@ class SimConfig:
         _check(self.vllm_cache_blocks >= 0, "sim.vllm_cache_blocks", "must be >= 0")
         _check(self.speed > 0, "sim.speed", "must be > 0")
         _check(0 < self.mfu <= 1, "sim.mfu", "must be in (0, 1]")
+        _check(0 < self.decode_efficiency <= 1, "sim.decode_efficiency", "must be in (0, 1]")
+        _check(self.decode_overhead_s >= 0, "sim.decode_overhead_s", "must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,10 @@ class ColocatedCluster(SimulatedCluster):
         """Compose one step (prefill work for waiting requests, one token for each running one), run it."""
         work, prefill_s = [], 0.0
         kv_used = sum(s.context + s.remaining for s in inst.running)
-        budget = self.cfg.chunk_tokens
+        # With chunked prefill, vLLM's token budget per step: running decodes take one token each,
+        # prefill chunks the rest. Without it, a prefill step holds one whole prompt (this trace's prompts
+        # are long enough that two rarely fit one step's budget).
+        budget = max(1, self.cfg.chunk_tokens - len(inst.running))
         for seq in list(inst.waiting):
             n = seq.record.input_tokens
             if seq.computed == 0:  # first scheduled: reuse the local prefix
@@ -60,7 +63,7 @@ class ColocatedCluster(SimulatedCluster):
                 kv_used += n + seq.record.output_tokens
             todo = n - seq.computed
             chunk = min(todo, budget) if self.cfg.chunked_prefill else todo
-            if chunk <= 0 or (work and not self.cfg.chunked_prefill and chunk > budget):
+            if chunk <= 0 or (work and not self.cfg.chunked_prefill):
                 break
             step_s = self.cost.prefill_s(seq.computed + chunk, seq.computed)
             prefill_s += step_s

@@ -8,6 +8,7 @@ import pytest
 from mooncake.conductor.admission import PredictiveRejection
 from mooncake.conductor.policies import KVCacheCentricPolicy
 from mooncake.config import load_config
+from mooncake.errors import ConfigError
 from mooncake.sim.cost import CostModel
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.run import simulate
@@ -119,3 +120,26 @@ def test_decode_nodes_dram_joins_the_pool(tmp_path):
             else:
                 assert decode.pool is None
     assert hit[True] > hit[False]
+
+
+def test_decode_cost_keys_reach_the_cost_model(tmp_path):
+    trace = small_trace(tmp_path)
+    fast = simulate(trace, config(**{"sim.decode_overhead_s": 0.0}))["tbt_s"]["mean"]
+    slow = simulate(trace, config(**{"sim.decode_overhead_s": 0.05}))["tbt_s"]["mean"]
+    assert slow > fast + 0.04  # every step pays the overhead
+    with pytest.raises(ConfigError, match="sim.decode_efficiency"):
+        config(**{"sim.decode_efficiency": 1.5})
+
+
+def test_vllm_chunked_prefill_bounds_the_stall_a_prefill_puts_on_decode(tmp_path):
+    """Without chunking a whole prompt runs in one step and every decode waits for it; with a 512-token
+    budget a step carries at most that much prefill, so the worst token gap is far shorter."""
+    trace = small_trace(tmp_path)
+    worst = {}
+    for chunked in (True, False):
+        result = simulate(trace, config("configs/sim/vllm-16.toml", **{"sim.chunked_prefill": chunked,
+                                                                        "sim.num_instances": 2}))
+        worst[chunked] = max(result["per_request"]["tbt_s"])
+    cost = CostModel()
+    assert worst[True] < cost.prefill_s(16_000 + 512, 16_000) + 0.1  # one chunk at the longest context, + decode
+    assert worst[False] > 2 * worst[True]
