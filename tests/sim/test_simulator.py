@@ -143,3 +143,14 @@ def test_vllm_chunked_prefill_bounds_the_stall_a_prefill_puts_on_decode(tmp_path
     cost = CostModel()
     assert worst[True] < cost.prefill_s(16_000 + 512, 16_000) + 0.1  # one chunk at the longest context, + decode
     assert worst[False] > 2 * worst[True]
+
+
+@needs_trace
+def test_rejection_study_prediction_rejects_fewest_and_the_baseline_most():
+    """configs/sim/rejection-8p8d-2x.toml: 8P+8D at 2x speed, decode the bottleneck. The baseline wastes
+    prefill on requests decode then refuses; rejecting on current decode load misjudges the load the
+    request will meet; predicting it rejects the fewest (paper: 4183 / 3771 / 3589)."""
+    total = {a: sum(simulate(TRACE, config("configs/sim/rejection-8p8d-2x.toml",
+                                           **{"conductor.admission": a}))["rejected"].values())
+             for a in ("ttft-only", "early", "predictive")}
+    assert total["ttft-only"] > total["early"] > total["predictive"] > 0
