@@ -27,39 +27,53 @@ class TcpTransport(Transport):
         self.ctx = zmq.asyncio.Context()
         self.service: BlockService | None = None
         self.address: str | None = None
-        self._server: zmq.asyncio.Socket | None = None
-        self._peers: dict[str, tuple[zmq.asyncio.Socket, asyncio.Task]] = {}
+        self._server: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._peers: dict[str, zmq.Socket] = {}
         self._pending: dict[str, asyncio.Future] = {}
-        self._tasks: list[asyncio.Task] = []
         # What this endpoint served, per op: requests, block bytes, seconds spent handling them.
         self.served = {op: {"requests": 0, "bytes": 0, "seconds": 0.0} for op in ("put", "get")}
 
     async def start(self, service=None, address=None) -> str:
         self.service = service
         if service is not None:
-            self._server = self.ctx.socket(zmq.ROUTER)
+            # A plain (not asyncio) socket read from a loop reader callback: handling a request is
+            # synchronous anyway, and this skips a future and a task wake-up per message.
+            self._server = zmq.Socket(zmq.Context.shadow(self.ctx.underlying), zmq.ROUTER)
             self._server.setsockopt(zmq.LINGER, 0)
             try:
                 self._server.bind(address or f"tcp://{self.host}:*")
             except zmq.ZMQError as exc:
                 self._server.close(linger=0)
+                self._server = None
                 raise TransferError(f"{self.name} transport cannot listen on {address}: {exc}") from None
             self.address = self._server.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._tasks.append(asyncio.create_task(self._serve()))
+            self._loop = asyncio.get_running_loop()
+            self._loop.add_reader(self._server.getsockopt(zmq.FD), self._serve)
+            self._loop.call_soon(self._serve)  # anything that came before the reader was added
         return self.address or ""
 
     # -- serving ----------------------------------------------------------------------------------
 
-    async def _serve(self) -> None:
-        while True:
-            identity, *frames = await self._server.recv_multipart(copy=False)
+    SERVE_BATCH = 64  # requests handled per loop callback before other tasks get a turn
+
+    def _serve(self) -> None:
+        """Handle every request waiting on the server socket. ZeroMQ's FD is edge-triggered: it signals
+        a change, not readiness, so drain until EVENTS shows nothing left (a send can consume the edge,
+        hence the check after each reply)."""
+        server = self._server
+        for _ in range(self.SERVE_BATCH):
+            if server is None or server.closed or not server.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            identity, *frames = server.recv_multipart(zmq.NOBLOCK, copy=False)
             try:
                 reply = self._handle(frames)
             except Exception as exc:  # noqa: BLE001  a bad peer must not take the endpoint down
                 log.warning("%s transport %s: bad request from a peer: %s", self.name, self.address, exc)
                 reply = [pack_header("error", _request_id_of(frames), error=f"malformed request: {exc}")]
-            if reply:  # one-way notices (release) get no reply
-                await self._server.send_multipart([identity, *reply], copy=False)
+            if reply:  # one-way notices (release) get no reply; a ROUTER send never blocks
+                server.send_multipart([identity, *reply], copy=False)
+        self._loop.call_soon(self._serve)  # more may be waiting: continue after other callbacks
 
     def _handle(self, frames) -> list:
         header = unpack_header(frames[0].buffer)
@@ -128,17 +142,21 @@ class TcpTransport(Transport):
 
     # -- client side ------------------------------------------------------------------------------
 
-    def _socket(self, peer: str) -> zmq.asyncio.Socket:
+    def _socket(self, peer: str) -> zmq.Socket:
+        """This endpoint's DEALER to `peer`: a plain socket whose replies a loop reader callback reads."""
         if peer not in self._peers:
-            sock = self.ctx.socket(zmq.DEALER)
+            sock = zmq.Socket(zmq.Context.shadow(self.ctx.underlying), zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(peer)
-            self._peers[peer] = (sock, asyncio.create_task(self._receive(peer, sock)))
-        return self._peers[peer][0]
+            self._loop = self._loop or asyncio.get_running_loop()
+            self._loop.add_reader(sock.getsockopt(zmq.FD), self._receive, peer, sock)
+            self._peers[peer] = sock
+        return self._peers[peer]
 
-    async def _receive(self, peer: str, sock) -> None:
-        while True:
-            frames = await sock.recv_multipart(copy=False)
+    def _receive(self, peer: str, sock: zmq.Socket) -> None:
+        """Hand every waiting reply to its request (drained until EVENTS shows none: see `_serve`)."""
+        while not sock.closed and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             try:
                 header = unpack_header(frames[0].buffer)
             except ValueError as exc:
@@ -148,6 +166,18 @@ class TcpTransport(Transport):
             if future is not None and not future.done():  # late replies after a deadline are dropped
                 future.set_result((header, [f.buffer for f in frames[1:]]))
 
+    async def _send_to(self, peer: str, frames: list) -> None:
+        """Queue a message to `peer`. A DEALER queues even before the peer is up; only a full queue
+        (high-water mark) makes it wait, and the caller's deadline bounds that wait."""
+        sock = self._socket(peer)
+        while True:
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:
+                await asyncio.sleep(0.001)
+        self._loop.call_soon(self._receive, peer, sock)  # a send can consume the FD's edge
+
     async def _request(self, peer, request_id, frames, timeout_s):
         if request_id in self._pending:  # replies are matched by id: a duplicate would steal the reply
             raise TransferError(f"transfer {request_id} to {peer}: a transfer with this id is already in flight")
@@ -155,7 +185,7 @@ class TcpTransport(Transport):
         self._pending[request_id] = future
         try:
             async with asyncio.timeout(timeout_s):  # one deadline for the whole round trip
-                await self._socket(peer).send_multipart(frames, copy=False)
+                await self._send_to(peer, frames)
                 header, data = await future
         except asyncio.TimeoutError:
             raise TransferError(f"transfer {request_id} to {peer}: no answer within {timeout_s:g} s "
@@ -187,7 +217,7 @@ class TcpTransport(Transport):
         with self._incoming(header, data, keep=True) as blocks:
             by_key = {k: (s, b) for k, s, b in zip(header["keys"], header["sums"], blocks)}
         if "staged" in header:  # tell the peer its staged reply may be reused; no answer expected
-            await self._socket(peer).send_multipart([pack_header("release", request_id, staged=header["staged"])])
+            await self._send_to(peer, [pack_header("release", request_id, staged=header["staged"])])
         results = verify_blocks(keys, [by_key.get(k, (None, b""))[0] for k in keys],
                                 [by_key.get(k, (None, b""))[1] for k in keys])
         num_bytes = sum(len(b) for _, b in by_key.values())
@@ -197,13 +227,11 @@ class TcpTransport(Transport):
         """Called once a send's reply is in (or it failed): free what `_outgoing` made."""
 
     async def stop(self) -> None:
-        tasks = self._tasks + [task for _, task in self._peers.values()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for sock, _ in self._peers.values():
+        for sock in self._peers.values():
+            self._loop.remove_reader(sock.getsockopt(zmq.FD))
             sock.close(linger=0)
         if self._server is not None:
+            self._loop.remove_reader(self._server.getsockopt(zmq.FD))
             self._server.close(linger=0)
         self._peers.clear()
         self.ctx.term()
