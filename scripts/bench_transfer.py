@@ -169,7 +169,8 @@ def bench_memcpy(size: int, budget: int) -> float:
     return rate(size, time.perf_counter() - t0, n)
 
 
-def bench_raw_zmq(address: str, size: int, budget: int) -> float:
+def bench_raw_zmq(address: str, size: int, budget: int, in_flight: int = 1) -> float:
+    """Request/reply with zero-copy frames and no checks, at most `in_flight` requests outstanding."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(address)
@@ -178,35 +179,50 @@ def bench_raw_zmq(address: str, size: int, budget: int) -> float:
     sock.send_multipart([b"h", payload], copy=False)
     sock.recv()
     t0 = time.perf_counter()
-    for _ in range(n):
-        sock.send_multipart([b"h", payload], copy=False)
+    sent = received = 0
+    while received < n:
+        while sent < n and sent - received < in_flight:
+            sock.send_multipart([b"h", payload], copy=False)
+            sent += 1
         sock.recv()
+        received += 1
     elapsed = time.perf_counter() - t0
     sock.close(linger=0)
     return rate(size, elapsed, n)
 
 
-async def bench_transport(name: str, address: str, size: int, budget: int) -> tuple[float, float]:
+async def bench_transport(name: str, address: str, size: int, budget: int, window: int) -> dict[str, float]:
+    """send and fetch rates, one transfer at a time and with `window` in flight (a stream of blocks, as
+    prefill pushes KV chunk after chunk: one side stages the next while the other verifies this one)."""
     client = load_backend("transports", name)()
     await client.start()
     payload = np.random.default_rng(2).integers(0, 255, size, dtype=np.uint8).tobytes()
     n = iterations(size, budget)
+    ops = {"send": lambda: client.send(address, [(size, payload)], timeout_s=30),
+           "fetch": lambda: client.fetch(address, [size], timeout_s=30)}
+    rates = {}
     try:
-        await client.send(address, [(size, payload)], timeout_s=30)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            result = await client.send(address, [(size, payload)], timeout_s=30)
-            assert result.ok, result
-        send = rate(size, time.perf_counter() - t0, n)
-        await client.fetch(address, [size], timeout_s=30)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            result = await client.fetch(address, [size], timeout_s=30)
-            assert result.ok, result
-        fetch = rate(size, time.perf_counter() - t0, n)
+        for op_name, op in ops.items():
+            assert (await op()).ok  # warm-up
+            for label, in_flight in ((op_name, 1), (f"{op_name}_x{window}", window)):
+                rates[label] = rate(size, await timed(op, n, in_flight), n)
     finally:
         await client.stop()
-    return send, fetch
+    return rates
+
+
+async def timed(op, n: int, in_flight: int) -> float:
+    """Seconds to run `op` n times, at most `in_flight` at once; every result must be ok."""
+    slots = asyncio.Semaphore(in_flight)
+
+    async def one():
+        async with slots:
+            result = await op()
+            assert result.ok, result
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(n)))
+    return time.perf_counter() - t0
 
 
 def free_port() -> int:
@@ -245,9 +261,15 @@ async def bench_store(config_path: Path, control: str, sizes: list[int], budget:
 
 
 def main() -> None:
+    try:  # every role runs on uvloop (mooncake/runtime.py): measure on it too
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transports", default="tcp,shm,mooncake")
     parser.add_argument("--budget-mib", type=int, default=512, help="bytes moved per measurement, about")
+    parser.add_argument("--window", type=int, default=4, help="transfers in flight for the streaming rows")
     parser.add_argument("--out", default="bench-results/transfer.json")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--mc", nargs=3, help=argparse.SUPPRESS)
@@ -268,6 +290,7 @@ def main() -> None:
     proc, address = spawn("--serve", "raw-zmq")
     for size in sizes:
         table[size]["raw_zmq"] = bench_raw_zmq(address, size, budget)
+        table[size][f"raw_zmq_x{args.window}"] = bench_raw_zmq(address, size, budget, args.window)
     proc.kill()
     proc.wait()
     names = [n for n in args.transports.split(",") if n]
@@ -279,8 +302,8 @@ def main() -> None:
             end(proc)
             continue
         for size in sizes:
-            send, fetch = asyncio.run(bench_transport(name, address, size, budget))
-            table[size][f"{name}_send"], table[size][f"{name}_fetch"] = send, fetch
+            for label, value in asyncio.run(bench_transport(name, address, size, budget, args.window)).items():
+                table[size][f"{name}_{label}"] = value
         end(proc)
 
     control = f"tcp://127.0.0.1:{free_port()}"
@@ -307,12 +330,17 @@ def main() -> None:
     for size in sizes:
         row = table[size]
         parts = []
+        w = args.window
         if "shm_send" in row:
-            parts.append(f"shm send/memcpy {row['shm_send'] / row['memcpy']:.2f}x, "
-                         f"fetch/memcpy {row['shm_fetch'] / row['memcpy']:.2f}x")
+            parts.append(f"shm send/memcpy {row['shm_send'] / row['memcpy']:.2f}x "
+                         f"(x{w}: {row[f'shm_send_x{w}'] / row['memcpy']:.2f}x), "
+                         f"fetch/memcpy {row['shm_fetch'] / row['memcpy']:.2f}x "
+                         f"(x{w}: {row[f'shm_fetch_x{w}'] / row['memcpy']:.2f}x)")
         if "tcp_send" in row:
-            parts.append(f"tcp send/raw zmq {row['tcp_send'] / row['raw_zmq']:.2f}x, "
-                         f"fetch/raw zmq {row['tcp_fetch'] / row['raw_zmq']:.2f}x")
+            parts.append(f"tcp send/raw zmq {row['tcp_send'] / row['raw_zmq']:.2f}x "
+                         f"(x{w}: {row[f'tcp_send_x{w}'] / row[f'raw_zmq_x{w}']:.2f}x), "
+                         f"fetch/raw zmq {row['tcp_fetch'] / row['raw_zmq']:.2f}x "
+                         f"(x{w}: {row[f'tcp_fetch_x{w}'] / row[f'raw_zmq_x{w}']:.2f}x)")
         if "mc_store_put" in row:
             parts.append(f"store put/Mooncake Store {row['store_put'] / row['mc_store_put']:.2f}x (>= 5), "
                          f"get {row['store_get'] / row['mc_store_get']:.2f}x (>= 3)")
