@@ -140,7 +140,7 @@ class CacheClient:
         except TransferError as exc:
             log.warning("%s", exc)
             return {}
-        return {b.key: (bytes(b.data) if b.ok else None) for b in result.blocks}
+        return {b.key: (_owned(b.data) if b.ok else None) for b in result.blocks}
 
     async def match_prefix(self, keys: list[int]) -> int:
         """How many leading `keys` the live nodes hold between them."""
@@ -165,3 +165,14 @@ class CacheClient:
         for node in self.nodes:
             node.socket.close(linger=0)
         self.ctx.term()
+
+
+def _owned(data) -> bytes:
+    """Fetched bytes the caller may keep: as they are when the transport already copied them into a
+    bytes object (shm, mooncake), else a copy (of a view into a ZeroMQ frame, say)."""
+    if isinstance(data, bytes):
+        return data
+    whole = data.obj if isinstance(data, memoryview) else None
+    if isinstance(whole, bytes) and len(whole) == data.nbytes:
+        return whole
+    return bytes(data)
