@@ -63,6 +63,27 @@ class DramTier(StorageTier):
         self._used += len(view)
         return True
 
+    # Ranges written in place (mooncake/store/windows.py): reserved, filled by a writer, then adopted.
+
+    def reserve(self, size: int) -> int | None:
+        """Offset of `size` free bytes set aside (no block yet), or None if no range is that large."""
+        offset = self._arena.alloc(size)
+        if offset is not None:
+            self._used += size
+        return offset
+
+    def view_of(self, offset: int, size: int) -> memoryview:
+        return self._view[offset:offset + size]
+
+    def adopt(self, key: int, offset: int, size: int) -> None:
+        """Make a reserved range, already written, block `key`."""
+        self._blocks[key] = (offset, size)
+
+    def release(self, offset: int, size: int) -> None:
+        """Give back a reserved range that did not become a block."""
+        self._arena.free(offset, size)
+        self._used -= size
+
     def get(self, key):
         loc = self._blocks.get(key)
         return None if loc is None else self._view[loc[0]:loc[0] + loc[1]]

@@ -14,6 +14,7 @@ from mooncake.config import MooncakeConfig
 from mooncake.errors import CapacityError, MooncakeError
 from mooncake.registry import load_backend
 from mooncake.store.store import KVStore
+from mooncake.store.windows import WriteWindows
 from mooncake.transfer.contract import BlockLocation
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,21 @@ class StoreService:
     def __init__(self, store: KVStore, read_lease_s: float):
         self.store = store
         self.read_lease_s = read_lease_s
+        self.windows = WriteWindows(store)
+
+    # Writes in place, for same-host writers (the shm transport; mooncake/store/windows.py).
+
+    def open_window(self, want: int, need: int) -> tuple[int, str, int, int] | None:
+        """(window id, shared DRAM file, offset, size), or None if this store cannot lend one now."""
+        path = getattr(self.store.tiers[0], "path", None)
+        opened = self.windows.open(want, need) if path is not None else None
+        return None if opened is None else (opened[0], path, opened[1], opened[2])
+
+    def commit_window(self, window_id: int, blocks: list[tuple[int, int, int, int]]) -> list[str | None]:
+        return self.windows.commit(window_id, blocks)
+
+    def close_window(self, window_id: int) -> None:
+        self.windows.close(window_id)
 
     def put_block(self, key, data, checksum=None):
         try:

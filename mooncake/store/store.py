@@ -104,6 +104,42 @@ class KVStore:
                 results.append(exc)
         return results
 
+    # -- writes in place (a shared DRAM tier lends ranges to same-host writers: windows.py) ---------
+
+    def reserve(self, size: int) -> int | None:
+        """Offset of `size` bytes of the DRAM tier set aside for a writer, evicting unleased blocks to
+        make room; None if the tier cannot write in place or cannot make room."""
+        top = self.tiers[0]
+        if getattr(top, "path", None) is None or size > top.capacity_bytes:
+            return None
+        self._expire_leases()
+        policy = self.policies[top.name]
+        while (offset := top.reserve(size)) is None:
+            victim = policy.victim(can_evict=lambda k: not self._leased[k])
+            if victim is None:
+                return None
+            self._evict(top, victim)
+        return offset
+
+    def reserved_view(self, offset: int, size: int) -> memoryview:
+        return self.tiers[0].view_of(offset, size)
+
+    def adopt(self, key: int, offset: int, size: int, checksum: int, position: int = 0) -> bool:
+        """Make a reserved range, written and verified, block `key` of the DRAM tier. False if the key is
+        already held (a put of a held key is a no-op): the range stays reserved for the caller to release."""
+        if self._tier_of(key) is not None:
+            return False
+        top = self.tiers[0]
+        top.adopt(key, offset, size)
+        self._sums[key] = checksum
+        self.policies[top.name].touch(key, position)
+        self.metrics.bytes_in += size
+        self._events.append(StoreEvent("add", key, top.name))
+        return True
+
+    def release_reserved(self, offset: int, size: int) -> None:
+        self.tiers[0].release(offset, size)
+
     def remove(self, key: int) -> bool:
         """Drop a block now; False if absent or leased (a leased block stays until its lease ends)."""
         self._expire_leases()

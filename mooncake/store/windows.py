@@ -1,0 +1,104 @@
+"""Write windows: ranges of a cache node's shared DRAM tier lent to a same-host writer (the shm transport),
+who puts blocks by writing them there in place. The node then checks each block's checksum where it lies
+and adopts the range as the block's storage, so a put costs the node one read instead of a read and a
+copy, and the writer one copy instead of two.
+
+A window belongs to one writer. Blocks are committed at non-overlapping ranges inside it; a range whose
+block fails its checksum, or whose key the store already holds, goes back to the arena at once; what
+no block took goes back when the window closes, or expires after `ttl_s` without a commit (its writer
+may have died). Blocks are never read from a range before their commit verified it."""
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from mooncake.hashing import checksum
+from mooncake.store.store import KVStore
+
+
+class UnknownWindow(KeyError):
+    """A commit to a window this node does not have (closed, expired, or from before a restart)."""
+
+
+@dataclass
+class _Window:
+    offset: int
+    size: int
+    expires: float
+    taken: list[tuple[int, int]] = field(default_factory=list)  # committed ranges (offset, size)
+
+    def holds(self, offset: int, size: int) -> bool:
+        return self.offset <= offset and offset + size <= self.offset + self.size and size > 0
+
+    def overlaps(self, offset: int, size: int) -> bool:
+        return any(offset < o + n and o < offset + size for o, n in self.taken)
+
+
+class WriteWindows:
+    MAX_SHARE = 8  # a window is at most 1/8 of the DRAM tier (unless one block needs more)
+
+    def __init__(self, store: KVStore, ttl_s: float = 60.0, clock=time.monotonic):
+        self.store = store
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._windows: dict[int, _Window] = {}
+        self._ids = itertools.count(1)
+
+    def open(self, want: int, need: int) -> tuple[int, int, int] | None:
+        """(window id, offset, size) of a new window: `want` bytes, capped at a share of DRAM, but never
+        under `need`; None when the store cannot write in place or make room."""
+        self._expire()
+        capacity = self.store.tiers[0].capacity_bytes
+        size = max(need, min(want, capacity // self.MAX_SHARE))
+        offset = self.store.reserve(size)
+        if offset is None:
+            return None
+        window_id = next(self._ids)
+        self._windows[window_id] = _Window(offset, size, self.clock() + self.ttl_s)
+        return window_id, offset, size
+
+    def commit(self, window_id: int, blocks: list[tuple[int, int, int, int]]) -> list[str | None]:
+        """Adopt blocks written in a window, each (key, offset, size, checksum); per block, None or why
+        not. Raises UnknownWindow."""
+        self._expire()
+        window = self._windows.get(window_id)
+        if window is None:
+            raise UnknownWindow(window_id)
+        window.expires = self.clock() + self.ttl_s
+        errors = []
+        for position, (key, offset, size, digest) in enumerate(blocks):
+            if not window.holds(offset, size) or window.overlaps(offset, size):
+                errors.append(f"range {offset}+{size} is outside the writer's window or already used")
+                continue
+            window.taken.append((offset, size))
+            if checksum(self.store.reserved_view(offset, size)) != digest:
+                self.store.release_reserved(offset, size)
+                errors.append("checksum mismatch: corrupted in transit")
+                continue
+            if not self.store.adopt(key, offset, size, digest, position):  # already held: a no-op put
+                self.store.release_reserved(offset, size)
+            errors.append(None)
+        return errors
+
+    def close(self, window_id: int) -> None:
+        """Give back every byte of the window no block took."""
+        window = self._windows.pop(window_id, None)
+        if window is None:
+            return
+        cursor = window.offset
+        for offset, size in sorted(window.taken) + [(window.offset + window.size, 0)]:
+            if offset > cursor:
+                self.store.release_reserved(cursor, offset - cursor)
+            cursor = max(cursor, offset + size)
+
+    def close_all(self) -> None:
+        for window_id in list(self._windows):
+            self.close(window_id)
+
+    def __len__(self) -> int:
+        return len(self._windows)
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for window_id in [w for w, window in self._windows.items() if window.expires <= now]:
+            self.close(window_id)

@@ -1,0 +1,110 @@
+"""Write windows: a writer fills a lent range of the shared DRAM tier and the store adopts what verifies,
+without copying; nothing is lost or leaked whatever the writer does."""
+
+import os
+
+import pytest
+
+from mooncake.config import StoreConfig
+from mooncake.errors import CapacityError
+from mooncake.hashing import checksum
+from mooncake.store.store import KVStore
+from mooncake.store.windows import UnknownWindow, WriteWindows
+
+MiB = 1 << 20
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def store():
+    clock = Clock()
+    store = KVStore(StoreConfig(dram_bytes=16 * MiB), clock=clock, shared_dram=True)
+    store.clock_ = clock
+    yield store
+    store.close()
+
+
+def write(store, offset, data):
+    store.reserved_view(offset, len(data))[:] = data
+    return checksum(data)
+
+
+def test_blocks_written_in_place_are_adopted_where_they_lie(store):
+    windows = WriteWindows(store)
+    window_id, offset, size = windows.open(want=64 * MiB, need=MiB)
+    assert size == 2 * MiB  # capped at an eighth of DRAM
+    a, b = os.urandom(MiB // 2), os.urandom(MiB // 4)
+    blocks = [(1, offset, len(a), write(store, offset, a)),
+              (2, offset + len(a), len(b), write(store, offset + len(a), b))]
+    assert windows.commit(window_id, blocks) == [None, None]
+    assert bytes(store.get(1).data) == a and bytes(store.get(2).data) == b
+    assert store.dram_location(1)[1] == offset  # the very bytes the writer wrote, not a copy
+    assert store._sums == {1: checksum(a), 2: checksum(b)}
+    assert [e.kind for e in store.drain_events()] == ["add", "add"]
+    windows.close(window_id)
+    assert store.tiers[0].used_bytes == len(a) + len(b)  # the rest of the window went back
+
+
+def test_a_corrupt_block_a_held_key_and_a_stray_range_lose_nothing(store):
+    store.put(5, b"already here")
+    windows = WriteWindows(store)
+    window_id, offset, size = windows.open(want=MiB, need=MiB)
+    good, bad, dup = os.urandom(1000), os.urandom(1000), b"already here"
+    sums = [write(store, offset, good), write(store, offset + 1000, bad), write(store, offset + 2000, dup)]
+    store.reserved_view(offset + 1000, 1)[0] ^= 0xFF  # flipped after checksumming
+    errors = windows.commit(window_id, [(1, offset, 1000, sums[0]), (2, offset + 1000, 1000, sums[1]),
+                                        (5, offset + 2000, len(dup), sums[2]),
+                                        (6, offset, 10, 0),  # overlaps block 1
+                                        (7, offset + size, 10, 0)])  # beyond the window
+    assert errors[0] is None and "checksum" in errors[1] and errors[2] is None
+    assert "outside" in errors[3] and "outside" in errors[4]
+    assert store.exists(1) == "dram" and store.exists(2) is None and store.exists(6) is None
+    assert bytes(store.get(5).data) == b"already here"
+    windows.close(window_id)
+    assert store.tiers[0].used_bytes == 1000 + len(b"already here")
+
+
+def test_an_abandoned_window_expires_and_its_bytes_come_back(store):
+    windows = WriteWindows(store, ttl_s=30.0, clock=store.clock_)
+    window_id, offset, size = windows.open(want=MiB, need=MiB)
+    assert store.tiers[0].used_bytes == size
+    store.clock_.now = 31.0
+    windows.open(want=MiB, need=MiB)  # any call sweeps expired windows
+    assert len(windows) == 1 and store.tiers[0].used_bytes == size
+    with pytest.raises(UnknownWindow):
+        windows.commit(window_id, [(1, offset, 10, 0)])
+
+
+def test_a_window_makes_room_by_evicting_but_is_never_evicted_itself(store):
+    for key in range(14):
+        store.put(key, os.urandom(MiB))
+    lease = store.get(0)  # leased: stays
+    windows = WriteWindows(store)
+    window_id, offset, size = windows.open(want=4 * MiB, need=4 * MiB)
+    # 2 MiB were free at the end; first fit needs 4 contiguous: the oldest unleased blocks 1-4 went
+    assert size == 4 * MiB and [k for k in range(14) if store.exists(k)] == [0, *range(5, 14)]
+    store.release(lease.lease_id)
+    for key in range(100, 112):  # fills DRAM again by evicting blocks, never the window
+        store.put(key, os.urandom(MiB))
+    data = os.urandom(MiB)
+    assert windows.commit(window_id, [(200, offset, MiB, write(store, offset, data))]) == [None]
+    assert bytes(store.get(200).data) == data
+    leases = [store.get(k) for k in range(100, 112) if store.exists(k)]  # pin every block (200 is, above)
+    assert store.tiers[0].used_bytes == 16 * MiB
+    with pytest.raises(CapacityError):  # only the window's free part is left, and it is not the store's
+        store.put(300, os.urandom(MiB))
+    for lease in leases:
+        store.release(lease.lease_id)
+
+
+def test_a_store_without_shared_dram_lends_no_window():
+    store = KVStore(StoreConfig(dram_bytes=4 * MiB))
+    assert WriteWindows(store).open(want=MiB, need=MiB) is None
+    store.close()
