@@ -1,20 +1,49 @@
 """Same-host transport: each endpoint owns one shared-memory segment (a file in /dev/shm, mapped once
 and reused); a sender stages block bytes there and the receiver reads them in place through its own
 mapping of the sender's segment. ZeroMQ carries only the doorbell. Segments of processes that died
-without cleaning up are removed by the next endpoint that starts."""
+without cleaning up are removed by the next endpoint that starts.
 
+A peer whose service lends write windows (a cache node: mooncake/store/windows.py) gets puts written
+straight into its shared DRAM tier instead: the sender copies each block once, into the window, and the
+node only verifies it where it lies. Reads from a cache node copy straight out of its DRAM tier.
+
+Peer files are mapped with their page tables filled up front (up to POPULATE_MAX_BYTES): a first touch
+of each 4 KiB page otherwise costs a fault that, on this kind of host, takes longer than copying it."""
+
+import asyncio
+import logging
 import mmap
 import os
+import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import zmq
 
 from backends.transports.staged import StagedTransport
+from mooncake.hashing import checksum
+from mooncake.transfer.contract import BlockResult, TransferError, TransferResult, new_request_id
+from mooncake.transfer.framing import pack_header
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 PREFIX = "mooncake-shm-"
+POPULATE_MAX_BYTES = 4 << 30  # larger peer files fault their pages in as they are touched
+WINDOW_BYTES = 64 << 20  # write window asked of a cache node (it may lend less)
+
+
+@dataclass
+class _Window:
+    """A range of a peer's shared DRAM tier lent to this endpoint; filled front to back."""
+
+    window_id: int
+    view: memoryview  # the peer's whole file, writable
+    end: int
+    cursor: int
 
 
 class ShmTransport(StagedTransport):
@@ -28,19 +57,26 @@ class ShmTransport(StagedTransport):
             f.truncate(segment_bytes)
             self._mapping = mmap.mmap(f.fileno(), segment_bytes)
         self._init_staging(np.frombuffer(self._mapping, dtype=np.uint8), 0)
-        self._peer_maps: dict[str, mmap.mmap] = {}
+        self._peer_maps: dict[tuple[str, bool], mmap.mmap] = {}  # (path, writable) -> mapping
+        self._windows: dict[str, _Window] = {}  # peer -> its current window
+        self._window_locks: dict[str, asyncio.Lock] = {}
+        self._no_windows: set[str] = set()  # peers whose service lends none
+        self._placing: set[str] = set()  # ids of sends between their start and their window's reply
 
     def _locator(self):
         return {"shm": str(self.path)}
 
-    def _peer_view(self, path_text: str) -> memoryview:
+    def _peer_view(self, path_text: str, writable: bool = False) -> memoryview:
         path = Path(path_text)
         if path.parent != SHM_DIR or not path.name.startswith(PREFIX):
             raise ValueError(f"refusing shared-memory path {path}")
-        if path_text not in self._peer_maps:
-            with open(path, "rb") as f:
-                self._peer_maps[path_text] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        return memoryview(self._peer_maps[path_text])
+        if (path_text, writable) not in self._peer_maps:
+            with open(path, "r+b" if writable else "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if size <= POPULATE_MAX_BYTES else 0)
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                self._peer_maps[(path_text, writable)] = mmap.mmap(f.fileno(), 0, flags=flags, prot=prot)
+        return memoryview(self._peer_maps[(path_text, writable)])
 
     def _outgoing_located(self, located, request_id):
         # One copy: blocks already in a shared-memory file (the cache node's DRAM tier) are read by the
@@ -69,7 +105,122 @@ class ShmTransport(StagedTransport):
             for v, _ in places:
                 v.release()
 
+    # -- write windows: the server side --------------------------------------------------------------
+
+    def _handle_op(self, header, request_id, data):
+        op, service = header["op"], self.service
+        if op == "open-window":
+            opener = getattr(service, "open_window", None)
+            opened = opener(int(header["want"]), int(header["need"])) if opener is not None else None
+            fields = {"supported": opener is not None}
+            if opened is not None:
+                fields.update(zip(("window", "shm", "offset", "size"), opened))
+            return [pack_header("window-reply", request_id, **fields)]
+        if op == "put-placed":
+            start = time.perf_counter()
+            blocks = list(zip(header["keys"], header["offsets"], header["sizes"], header["sums"]))
+            try:
+                errors = service.commit_window(int(header["window"]), blocks)
+            except KeyError:  # closed, expired, or lent before a restart: the sender puts the usual way
+                return [pack_header("put-reply", request_id, errors=[], unknown_window=True)]
+            served = self.served["put"]
+            served["requests"] += 1
+            served["bytes"] += sum(header["sizes"])
+            served["seconds"] += time.perf_counter() - start
+            return [pack_header("put-reply", request_id, errors=errors)]
+        if op == "close-window":
+            service.close_window(int(header["window"]))
+            return []
+        return super()._handle_op(header, request_id, data)
+
+    # -- write windows: the sender side ---------------------------------------------------------------
+
+    async def send(self, peer, blocks, timeout_s, request_id=None):
+        request_id = request_id or new_request_id()
+        if peer in self._no_windows:
+            return await super().send(peer, blocks, timeout_s, request_id)
+        if request_id in self._placing:  # as in _request: an id names one transfer at a time
+            raise TransferError(f"transfer {request_id} to {peer}: a transfer with this id is already in flight")
+        self._placing.add(request_id)
+        try:
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            result = await self._send_placed(peer, blocks, deadline, request_id)
+        finally:
+            self._placing.discard(request_id)
+        if result is not None:
+            return result
+        return await super().send(peer, blocks, self._left(deadline), request_id)
+
+    async def _send_placed(self, peer, blocks, deadline, request_id):
+        """Write `blocks` into the peer's window and have it adopt them; None when the peer lends no
+        window now (the caller then puts the usual way)."""
+        views = [(key, memoryview(data).cast("B")) for key, data in blocks]
+        need = sum(len(v) for _, v in views)
+        if need == 0:
+            return None
+        window = await self._window(peer, need, deadline, request_id)
+        if window is None:
+            return None
+        start = time.perf_counter()
+        offsets, sums = [], []
+        cursor, window.cursor = window.cursor, window.cursor + need  # taken now: no await in between
+        for key, view in views:
+            sums.append(checksum(view))
+            data = self.tamper(key, bytes(view)) if self.tamper else view
+            window.view[cursor:cursor + len(view)] = data
+            offsets.append(cursor)
+            cursor += len(view)
+        frames = [pack_header("put-placed", request_id, window=window.window_id, keys=[k for k, _ in views],
+                              sums=sums, offsets=offsets, sizes=[len(v) for _, v in views])]
+        header, _ = await self._request(peer, request_id, frames, self._left(deadline))
+        if header.get("unknown_window"):
+            if self._windows.get(peer) is window:
+                del self._windows[peer]
+            return None
+        results = [BlockResult(k, error=e) for (k, _), e in zip(views, header["errors"])]
+        return TransferResult(peer, request_id, results, need, time.perf_counter() - start)
+
+    async def _window(self, peer, need, deadline, request_id) -> _Window | None:
+        """The peer's window with `need` bytes free, opening a new one when the current one is full."""
+        lock = self._window_locks.setdefault(peer, asyncio.Lock())
+        try:
+            async with asyncio.timeout_at(deadline), lock:
+                window = self._windows.pop(peer, None)
+                if window is not None and window.cursor + need <= window.end:
+                    self._windows[peer] = window
+                    return window
+                if window is not None:
+                    await self._close_window(peer, window)
+                open_id = f"{request_id}.window"
+                header, _ = await self._request(peer, open_id, [pack_header(
+                    "open-window", open_id, want=max(WINDOW_BYTES, need), need=need)], self._left(deadline))
+                if not header.get("supported"):
+                    self._no_windows.add(peer)
+                    return None
+                if header.get("window") is None:  # no room now: this put goes the usual way
+                    return None
+                view = self._peer_view(header["shm"], writable=True)
+                window = _Window(header["window"], view, header["offset"] + header["size"], header["offset"])
+                self._windows[peer] = window
+                return window
+        except TimeoutError:
+            raise TransferError(f"transfer {request_id} to {peer}: no write window within the deadline (peer "
+                                f"down or overloaded)") from None
+
+    async def _close_window(self, peer, window) -> None:
+        await self._send_to(peer, [pack_header("close-window", new_request_id(), window=window.window_id)])
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        return max(0.0, deadline - asyncio.get_running_loop().time())
+
     async def stop(self) -> None:
+        for peer, window in list(self._windows.items()):  # hand the unused bytes back, if the peer listens
+            try:
+                await asyncio.wait_for(self._close_window(peer, window), 0.1)
+            except (asyncio.TimeoutError, zmq.ZMQError, OSError) as exc:
+                log.debug("shm transport: could not close the window at %s: %s", peer, exc)
+        self._windows.clear()
         await super().stop()
         self.buffer = None
         for mapping in self._peer_maps.values():

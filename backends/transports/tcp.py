@@ -89,6 +89,10 @@ class TcpTransport(Transport):
         if header["op"] == "release":
             self._released(header)
             return []
+        return self._handle_op(header, request_id, data)
+
+    def _handle_op(self, header: dict, request_id: str, data: list) -> list:
+        """Ops of a subclass's own (shm's write windows); reply frames, or [] for a one-way notice."""
         raise ValueError(f"unknown op {header['op']!r}")
 
     def _serve_blocks(self, header: dict, request_id: str, data: list) -> tuple[int, list]:

@@ -62,3 +62,54 @@ def test_over_shm_a_reader_copies_from_the_store_and_corruption_there_is_caught(
             store.close()
         assert not os.path.exists(path)  # the shared DRAM file goes with the store
     asyncio.run(run())
+
+
+def test_over_shm_a_put_is_written_in_place_in_the_store_and_verified_there():
+    async def run():
+        store, server, client, address = await serve("shm", True)
+        service = server.service
+        try:
+            blocks = [(k, os.urandom(3 << 20)) for k in range(6)]  # 18 MiB: more than one 8 MiB window
+            for block in blocks:
+                assert (await client.send(address, [block], timeout_s=10)).ok
+            assert len(service.windows) == 1  # a full window is closed when the next one opens
+            for key, data in blocks:
+                assert bytes(store.get(key).data) == data
+            # Neither side staged anything: the sender wrote straight into the store's DRAM tier.
+            for endpoint in (server, client):
+                assert endpoint.arena.largest_free_extent() == endpoint.arena.capacity_bytes
+            assert server.served["put"]["requests"] == 6
+
+            service.windows.close_all()  # as after a node restart: the sender's window is unknown
+            assert (await client.send(address, [(50, b"after")], timeout_s=10)).ok
+            assert bytes(store.get(50).data) == b"after"
+            await client.stop()  # hands its window back
+            for _ in range(200):
+                if not len(service.windows):
+                    break
+                await asyncio.sleep(0.01)
+            assert store.tiers[0].used_bytes == sum(len(d) for _, d in blocks) + 5
+        finally:
+            await client.stop()
+            await server.stop()
+            store.close()
+    asyncio.run(run())
+
+
+def test_a_block_corrupted_on_its_way_into_a_window_is_refused():
+    async def run():
+        store = KVStore(StoreConfig(dram_bytes=64 << 20), shared_dram=True)
+        server = load_backend("transports", "shm")()
+        client = load_backend("transports", "shm")(tamper=lambda key, data: data[:-1] + bytes([data[-1] ^ 1])
+                                                    if key == 2 else data)
+        address = await server.start(StoreService(store, read_lease_s=5.0))
+        await client.start()
+        try:
+            result = await client.send(address, [(1, os.urandom(4096)), (2, os.urandom(4096))], timeout_s=10)
+            assert result.blocks[0].ok and "checksum" in result.blocks[1].error
+            assert store.exists(1) == "dram" and store.exists(2) is None
+        finally:
+            await client.stop()
+            await server.stop()
+            store.close()
+    asyncio.run(run())
