@@ -180,7 +180,8 @@ class TcpTransport(Transport):
                 break
             except zmq.Again:
                 await asyncio.sleep(0.001)
-        self._loop.call_soon(self._receive, peer, sock)  # a send can consume the FD's edge
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # a send can consume the FD's edge: look now
+            self._loop.call_soon(self._receive, peer, sock)
 
     async def _request(self, peer, request_id, frames, timeout_s):
         if request_id in self._pending:  # replies are matched by id: a duplicate would steal the reply
