@@ -264,30 +264,8 @@ async def bench_store(config_path: Path, control: str, sizes: list[int], budget:
         proc.wait(timeout=20)
 
 
-def main() -> None:
-    try:  # every role runs on uvloop (mooncake/runtime.py): measure on it too
-        import uvloop
-        uvloop.install()
-    except ImportError:
-        pass
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transports", default="tcp,shm,mooncake")
-    parser.add_argument("--budget-mib", type=int, default=512, help="bytes moved per measurement, about")
-    parser.add_argument("--window", type=int, default=4, help="transfers in flight for the streaming rows")
-    parser.add_argument("--out", default="bench-results/transfer.json")
-    parser.add_argument("--serve", help=argparse.SUPPRESS)
-    parser.add_argument("--mc", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    sizes = [1 * MiB, MODEL_BLOCK, 4 * MiB, 16 * MiB]
-    if args.serve == "raw-zmq":
-        return serve_raw_zmq()
-    if args.serve and args.serve.startswith("mc-store-"):
-        master, metadata, budget = args.mc
-        return serve_mooncake_store(args.serve.removeprefix("mc-store-"), master, metadata, sizes, int(budget))
-    if args.serve:
-        return asyncio.run(serve_transport(args.serve, sizes))
-
-    budget = args.budget_mib * MiB
+def measure(args, sizes: list[int], budget: int) -> dict[int, dict[str, float]]:
+    """One pass over every row: GB/s by payload size and row name."""
     table = {size: {} for size in sizes}
     for size in sizes:
         table[size]["memcpy"] = bench_memcpy(size, budget)
@@ -324,12 +302,45 @@ def main() -> None:
     for size, row in (mc or {}).items():
         table[size]["mc_store_put"], table[size]["mc_store_get"] = row["put"], row["get"]
 
+    return table
+
+
+def main() -> None:
+    try:  # every role runs on uvloop (mooncake/runtime.py): measure on it too
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--transports", default="tcp,shm,mooncake")
+    parser.add_argument("--budget-mib", type=int, default=512, help="bytes moved per measurement, about")
+    parser.add_argument("--window", type=int, default=4, help="transfers in flight for the streaming rows")
+    parser.add_argument("--repeat", type=int, default=1, help="passes over every row; each cell is their median")
+    parser.add_argument("--out", default="bench-results/transfer.json")
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--mc", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sizes = [1 * MiB, MODEL_BLOCK, 4 * MiB, 16 * MiB]
+    if args.serve == "raw-zmq":
+        return serve_raw_zmq()
+    if args.serve and args.serve.startswith("mc-store-"):
+        master, metadata, budget = args.mc
+        return serve_mooncake_store(args.serve.removeprefix("mc-store-"), master, metadata, sizes, int(budget))
+    if args.serve:
+        return asyncio.run(serve_transport(args.serve, sizes))
+
+    budget = args.budget_mib * MiB
+    runs = [measure(args, sizes, budget) for _ in range(args.repeat)]
+    # The median of each cell over the runs: this host is shared and a single pass is noisy.
+    table = {size: {c: float(np.median([r[size][c] for r in runs if c in r[size]])) for c in runs[0][size]}
+             for size in sizes}
     columns = list(table[sizes[0]])
-    print(f"\nGB/s between two processes on this host ({os.cpu_count()} cores)")
-    print(f"{'payload':>10}" + "".join(f"{c:>15}" for c in columns))
+    widths = [max(15, len(c) + 2) for c in columns]
+    print(f"\nGB/s between two processes on this host ({os.cpu_count()} cores), median of {args.repeat} pass(es)")
+    print(f"{'payload':>10}" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths)))
     for size in sizes:
         label = f"{size / MiB:.2f} MiB"
-        print(f"{label:>10}" + "".join(f"{table[size][c]:>15.2f}" for c in columns))
+        print(f"{label:>10}" + "".join(f"{table[size][c]:>{w}.2f}" for c, w in zip(columns, widths)))
     print("\nratios (goal): shm/memcpy (>= 0.6), tcp/raw zmq (>= 0.9), ours/Mooncake Store")
     for size in sizes:
         row = table[size]
