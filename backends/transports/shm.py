@@ -67,6 +67,9 @@ class ShmTransport(StagedTransport):
         return {"shm": str(self.path)}
 
     def _peer_view(self, path_text: str, writable: bool = False) -> memoryview:
+        mapping = self._peer_maps.get((path_text, writable))
+        if mapping is not None:
+            return memoryview(mapping)
         path = Path(path_text)
         if path.parent != SHM_DIR or not path.name.startswith(PREFIX):
             raise ValueError(f"refusing shared-memory path {path}")

@@ -93,7 +93,7 @@ class CacheClient:
             for node in self.ranked_nodes(key)[:self.config.replica_num]:
                 plan.setdefault(id(node), []).append((key, data))
         by_id = {id(n): n for n in self.nodes}
-        outcomes = await asyncio.gather(*(self._send(by_id[i], group) for i, group in plan.items()))
+        outcomes = await _all([self._send(by_id[i], group) for i, group in plan.items()])
         stored, errors = set(), {key: [] for key, _ in blocks}
         for outcome in outcomes:
             for key, error in outcome.items():
@@ -127,7 +127,7 @@ class CacheClient:
             if not plan:
                 break
             by_id = {id(n): n for n in self.nodes}
-            outcomes = await asyncio.gather(*(self._fetch(by_id[i], group) for i, group in plan.items()))
+            outcomes = await _all([self._fetch(by_id[i], group) for i, group in plan.items()])
             for outcome in outcomes:
                 found.update({k: v for k, v in outcome.items() if v is not None})
             pending = [key for key in pending if found[key] is None and candidates[key]]
@@ -165,6 +165,13 @@ class CacheClient:
         for node in self.nodes:
             node.socket.close(linger=0)
         self.ctx.term()
+
+
+async def _all(calls: list) -> list:
+    """Results of the calls, run together; one call runs on its own (no task to schedule)."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    return await asyncio.gather(*calls)
 
 
 def _owned(data) -> bytes:
