@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 PREFIX = "mooncake-shm-"
 POPULATE_MAX_BYTES = 4 << 30  # larger peer files fault their pages in as they are touched
-WINDOW_BYTES = 64 << 20  # write window asked of a cache node (it may lend less)
+WINDOW_BYTES = 32 << 20  # write window asked of a cache node, or 4 puts' worth if more (it may lend less)
 
 
 @dataclass
@@ -196,7 +196,7 @@ class ShmTransport(StagedTransport):
                     await self._close_window(peer, window)
                 open_id = f"{request_id}.window"
                 header, _ = await self._request(peer, open_id, [pack_header(
-                    "open-window", open_id, want=max(WINDOW_BYTES, need), need=need)], self._left(deadline))
+                    "open-window", open_id, want=max(WINDOW_BYTES, 4 * need), need=need)], self._left(deadline))
                 if not header.get("supported"):
                     self._no_windows.add(peer)
                     return None

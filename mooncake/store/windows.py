@@ -35,9 +35,11 @@ class _Window:
 
 
 class WriteWindows:
-    MAX_SHARE = 8  # a window is at most 1/8 of the DRAM tier (unless one block needs more)
+    # A window is at most 1/32 of the DRAM tier (unless one block needs more): lent bytes are bytes the
+    # cache does not hold, so several writers together must not take much of it, nor an idle one long.
+    MAX_SHARE = 32
 
-    def __init__(self, store: KVStore, ttl_s: float = 60.0, clock=time.monotonic):
+    def __init__(self, store: KVStore, ttl_s: float = 10.0, clock=time.monotonic):
         self.store = store
         self.ttl_s = ttl_s
         self.clock = clock

@@ -69,7 +69,7 @@ def test_over_shm_a_put_is_written_in_place_in_the_store_and_verified_there():
         store, server, client, address = await serve("shm", True)
         service = server.service
         try:
-            blocks = [(k, os.urandom(3 << 20)) for k in range(6)]  # 18 MiB: more than one 8 MiB window
+            blocks = [(k, os.urandom(3 << 20)) for k in range(6)]  # windows of 2 MiB, or one block's worth
             for block in blocks:
                 assert (await client.send(address, [block], timeout_s=10)).ok
             assert len(service.windows) == 1  # a full window is closed when the next one opens

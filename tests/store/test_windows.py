@@ -38,9 +38,9 @@ def write(store, offset, data):
 
 def test_blocks_written_in_place_are_adopted_where_they_lie(store):
     windows = WriteWindows(store)
-    window_id, offset, size = windows.open(want=64 * MiB, need=MiB)
-    assert size == 2 * MiB  # capped at an eighth of DRAM
-    a, b = os.urandom(MiB // 2), os.urandom(MiB // 4)
+    window_id, offset, size = windows.open(want=64 * MiB, need=MiB // 4)
+    assert size == 16 * MiB // WriteWindows.MAX_SHARE  # capped at a share of DRAM
+    a, b = os.urandom(MiB // 4), os.urandom(MiB // 8)
     blocks = [(1, offset, len(a), write(store, offset, a)),
               (2, offset + len(a), len(b), write(store, offset + len(a), b))]
     assert windows.commit(window_id, blocks) == [None, None]
@@ -50,6 +50,9 @@ def test_blocks_written_in_place_are_adopted_where_they_lie(store):
     assert [e.kind for e in store.drain_events()] == ["add", "add"]
     windows.close(window_id)
     assert store.tiers[0].used_bytes == len(a) + len(b)  # the rest of the window went back
+    big_id, _, big = windows.open(want=64 * MiB, need=2 * MiB)
+    assert big == 2 * MiB  # one put may need more than the share
+    windows.close(big_id)
 
 
 def test_a_corrupt_block_a_held_key_and_a_stray_range_lose_nothing(store):
