@@ -60,6 +60,9 @@ class ConductorMetrics:
                                  ["node", "direction"], registry=r)
         self.cache_rate = Gauge("mooncake_cache_transfer_gbytes_per_s",
                                 "Mean rate of the puts and gets a cache node served", ["node", "op"], registry=r)
+        self.cache_lent = Gauge("mooncake_cache_write_window_bytes",
+                                "DRAM a cache node has lent to same-host writers and not yet filled", ["node"],
+                                registry=r)
         self.index_blocks = Gauge("mooncake_prefix_index_blocks", "Block hashes in the global prefix index",
                                   registry=r)
 
@@ -78,6 +81,7 @@ class ConductorMetrics:
         self.cache_bytes.labels(node, "out").set(stats.get("bytes_out", 0))
         for op, served in stats.get("transfers", {}).items():
             self.cache_rate.labels(node, op).set(served.get("gbytes_per_s", 0.0))
+        self.cache_lent.labels(node).set(stats.get("write_windows", {}).get("lent_bytes", 0))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -74,6 +74,7 @@ class CacheServer:
         self.name = f"cache node {config.cache.node_id}"
         self.store: KVStore | None = None
         self.transport = None
+        self.service: StoreService | None = None
         self.data_address = ""
         self.ctx = None
         self._tasks: list[asyncio.Task] = []
@@ -83,8 +84,8 @@ class CacheServer:
         # NOTE: over shm, the DRAM tier lives in shared memory so same-host readers copy out of it directly.
         self.store = KVStore(self.config.store, shared_dram=cfg.transport == "shm")
         self.transport = load_backend("transports", cfg.transport)()
-        self.data_address = await self.transport.start(StoreService(self.store, cfg.read_lease_s),
-                                                       cfg.data_address or None)
+        self.service = StoreService(self.store, cfg.read_lease_s)
+        self.data_address = await self.transport.start(self.service, cfg.data_address or None)
         self.ctx = zmq.asyncio.Context()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.events = self.ctx.socket(zmq.PUB)
@@ -153,7 +154,8 @@ class CacheServer:
         return {**{k: dict(v) if isinstance(v, dict) else v for k, v in metrics.items()},
                 "blocks": self.store.num_blocks(),
                 "leased_blocks": self.store.num_leased(),
-                "used_bytes": {t.name: t.used_bytes for t in self.store.tiers},
+                "used_bytes": {t.name: t.used_bytes for t in self.store.tiers},  # DRAM: lent windows too
+                "write_windows": {"open": len(self.service.windows), "lent_bytes": self.service.windows.lent_bytes()},
                 "capacity_bytes": {t.name: t.capacity_bytes for t in self.store.tiers},
                 "transfers": {op: {**v, "gbytes_per_s": v["bytes"] / v["seconds"] / 1e9 if v["seconds"] else 0.0}
                               for op, v in getattr(self.transport, "served", {}).items()}}

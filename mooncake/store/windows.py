@@ -100,6 +100,10 @@ class WriteWindows:
     def __len__(self) -> int:
         return len(self._windows)
 
+    def lent_bytes(self) -> int:
+        """Bytes of DRAM lent and not yet holding a block (the cache's loss while windows are open)."""
+        return sum(w.size - sum(n for _, n in w.taken) for w in self._windows.values())
+
     def _expire(self) -> None:
         now = self.clock()
         for window_id in [w for w, window in self._windows.items() if window.expires <= now]:

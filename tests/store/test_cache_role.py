@@ -119,6 +119,10 @@ def test_put_get_match_prefix_and_events_across_processes(nodes, transport):
             assert stats["transfers"]["get"]["bytes"] == sum(len(d) for _, d in data)
             assert stats["transfers"]["put"]["gbytes_per_s"] > 0 and stats["hits"]["dram"] == len(data)
             assert stats["misses"] == 1
+            # Over shm the puts were written in place, through a window; what of it is unfilled is lent.
+            lent = stats["write_windows"]["lent_bytes"]
+            assert stats["write_windows"]["open"] == (transport == "shm")
+            assert stats["used_bytes"]["dram"] == sum(len(d) for _, d in data) + lent
         finally:
             sub.close(linger=0)
             await client.stop()

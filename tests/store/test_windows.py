@@ -44,6 +44,7 @@ def test_blocks_written_in_place_are_adopted_where_they_lie(store):
     blocks = [(1, offset, len(a), write(store, offset, a)),
               (2, offset + len(a), len(b), write(store, offset + len(a), b))]
     assert windows.commit(window_id, blocks) == [None, None]
+    assert windows.lent_bytes() == size - len(a) - len(b)
     assert bytes(store.get(1).data) == a and bytes(store.get(2).data) == b
     assert store.dram_location(1)[1] == offset  # the very bytes the writer wrote, not a copy
     assert store._sums == {1: checksum(a), 2: checksum(b)}
