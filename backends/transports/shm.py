@@ -36,14 +36,25 @@ POPULATE_MAX_BYTES = 4 << 30  # larger peer files fault their pages in as they a
 WINDOW_BYTES = 32 << 20  # write window asked of a cache node, or 4 puts' worth if more (it may lend less)
 
 
+WINDOW_MARGIN_S = 2.0  # stop writing into a window this long before the lender may take it back
+
+
 @dataclass
 class _Window:
-    """A range of a peer's shared DRAM tier lent to this endpoint; filled front to back."""
+    """A range of a peer's shared DRAM tier lent to this endpoint; filled front to back. The lender
+    takes an idle window back after its TTL and may reuse the bytes, so it is written to only while
+    surely still lent: until TTL - margin after the last request that renewed it was sent (same host,
+    same monotonic clock)."""
 
     window_id: int
     view: memoryview  # the peer's whole file, writable
     end: int
     cursor: int
+    ttl_s: float
+    usable_until: float
+
+    def renew(self, sent_at: float) -> None:
+        self.usable_until = sent_at + self.ttl_s - WINDOW_MARGIN_S
 
 
 class ShmTransport(StagedTransport):
@@ -117,7 +128,7 @@ class ShmTransport(StagedTransport):
             opened = opener(int(header["want"]), int(header["need"])) if opener is not None else None
             fields = {"supported": opener is not None}
             if opened is not None:
-                fields.update(zip(("window", "shm", "offset", "size"), opened))
+                fields.update(zip(("window", "shm", "offset", "size", "ttl_s"), opened))
             return [pack_header("window-reply", request_id, **fields)]
         if op == "put-placed":
             start = time.perf_counter()
@@ -175,6 +186,7 @@ class ShmTransport(StagedTransport):
             cursor += len(view)
         frames = [pack_header("put-placed", request_id, window=window.window_id, keys=[k for k, _ in views],
                               sums=sums, offsets=offsets, sizes=[len(v) for _, v in views])]
+        window.renew(asyncio.get_running_loop().time())  # the lender renews it on receipt, later than this
         header, _ = await self._request(peer, request_id, frames, self._left(deadline))
         if header.get("unknown_window"):
             if self._windows.get(peer) is window:
@@ -188,8 +200,9 @@ class ShmTransport(StagedTransport):
         lock = self._window_locks.setdefault(peer, asyncio.Lock())
         try:
             async with asyncio.timeout_at(deadline), lock:
+                now = asyncio.get_running_loop().time()
                 window = self._windows.pop(peer, None)
-                if window is not None and window.cursor + need <= window.end:
+                if window is not None and window.cursor + need <= window.end and now < window.usable_until:
                     self._windows[peer] = window
                     return window
                 if window is not None:
@@ -203,7 +216,9 @@ class ShmTransport(StagedTransport):
                 if header.get("window") is None:  # no room now: this put goes the usual way
                     return None
                 view = self._peer_view(header["shm"], writable=True)
-                window = _Window(header["window"], view, header["offset"] + header["size"], header["offset"])
+                window = _Window(header["window"], view, header["offset"] + header["size"], header["offset"],
+                                 float(header["ttl_s"]), 0.0)
+                window.renew(now)  # the lender started its TTL on receipt, after `now`
                 self._windows[peer] = window
                 return window
         except TimeoutError:

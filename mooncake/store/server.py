@@ -36,11 +36,12 @@ class StoreService:
 
     # Writes in place, for same-host writers (the shm transport; mooncake/store/windows.py).
 
-    def open_window(self, want: int, need: int) -> tuple[int, str, int, int] | None:
-        """(window id, shared DRAM file, offset, size), or None if this store cannot lend one now."""
+    def open_window(self, want: int, need: int) -> tuple[int, str, int, int, float] | None:
+        """(window id, shared DRAM file, offset, size, idle seconds before it is taken back), or None if
+        this store cannot lend one now."""
         path = getattr(self.store.tiers[0], "path", None)
         opened = self.windows.open(want, need) if path is not None else None
-        return None if opened is None else (opened[0], path, opened[1], opened[2])
+        return None if opened is None else (opened[0], path, opened[1], opened[2], self.windows.ttl_s)
 
     def commit_window(self, window_id: int, blocks: list[tuple[int, int, int, int]]) -> list[str | None]:
         return self.windows.commit(window_id, blocks)

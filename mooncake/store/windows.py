@@ -6,7 +6,9 @@ copy, and the writer one copy instead of two.
 A window belongs to one writer. Blocks are committed at non-overlapping ranges inside it; a range whose
 block fails its checksum, or whose key the store already holds, goes back to the arena at once; what
 no block took goes back when the window closes, or expires after `ttl_s` without a commit (its writer
-may have died). Blocks are never read from a range before their commit verified it."""
+may have died); a writer must stop writing into a window before then (the shm transport stops at TTL
+minus a margin after its last commit was sent), since the bytes may be lent or stored anew. Blocks are
+never read from a range before their commit verified it, and a reader verifies every block anyway."""
 
 import itertools
 import time

@@ -113,3 +113,23 @@ def test_a_block_corrupted_on_its_way_into_a_window_is_refused():
             await server.stop()
             store.close()
     asyncio.run(run())
+
+
+def test_a_sender_stops_writing_into_a_window_before_the_node_may_take_it_back():
+    async def run():
+        store, server, client, address = await serve("shm", True)
+        server.service.windows.ttl_s = 2.3  # the sender keeps a 2 s margin: usable for 0.3 s
+        try:
+            assert (await client.send(address, [(1, b"a" * 4096)], timeout_s=10)).ok
+            first = set(server.service.windows._windows)
+            assert (await client.send(address, [(2, b"b" * 4096)], timeout_s=10)).ok
+            assert set(server.service.windows._windows) == first  # still fresh: same window
+            await asyncio.sleep(0.4)
+            assert (await client.send(address, [(3, b"c" * 4096)], timeout_s=10)).ok
+            assert set(server.service.windows._windows).isdisjoint(first)  # a new one; the old one closed
+            assert [bytes(store.get(k).data) for k in (1, 2, 3)] == [b"a" * 4096, b"b" * 4096, b"c" * 4096]
+        finally:
+            await client.stop()
+            await server.stop()
+            store.close()
+    asyncio.run(run())

@@ -112,3 +112,79 @@ def test_a_store_without_shared_dram_lends_no_window():
     store = KVStore(StoreConfig(dram_bytes=4 * MiB))
     assert WriteWindows(store).open(want=MiB, need=MiB) is None
     store.close()
+
+
+def test_random_writers_puts_evictions_and_expiry_keep_every_byte_accounted_for(store):
+    """Three writers fill windows (some blocks corrupt, some keys repeated) among plain puts, reads with
+    leases, closes and expiries. After every step the arena's free ranges, the blocks and the windows'
+    unused ranges tile DRAM exactly, and every block held verifies."""
+    import random
+    rng = random.Random(7)
+    dram = store.tiers[0]
+    windows = WriteWindows(store, ttl_s=5.0, clock=store.clock_)
+    open_windows: dict[int, list[int]] = {}  # writer -> [window id, cursor, end]
+    leases = []
+    plain: dict[int, int] = {}  # checksums of blocks put the usual way (the store keeps none for them)
+
+    def check():
+        spans = list(dram._arena._free) + list(dram._blocks.values())
+        for w in windows._windows.values():
+            taken = sorted(w.taken)
+            cursor = w.offset
+            for offset, size in taken + [(w.offset + w.size, 0)]:
+                if offset > cursor:
+                    spans.append((cursor, offset - cursor))
+                cursor = max(cursor, offset + size)
+        spans = sorted(s for s in spans if s[1] > 0)
+        cursor = 0
+        for offset, size in spans:
+            assert offset == cursor, f"gap or overlap at {offset} (expected {cursor})"
+            cursor = offset + size
+        assert cursor == dram.capacity_bytes
+        for key in list(dram._blocks):
+            assert checksum(dram.get(key)) == store._sums.get(key, plain.get(key))
+
+    for step in range(400):
+        op = rng.random()
+        writer = rng.randrange(3)
+        if op < 0.45:
+            size = rng.choice([1000, 50_000, 300_000])
+            state = open_windows.get(writer)  # [window id, cursor, end, usable until], as the shm sender
+            if state is None or state[1] + size > state[2] or store.clock_.now >= state[3]:
+                if state is not None:
+                    windows.close(state[0])
+                opened = windows.open(want=MiB, need=size)
+                if opened is None:
+                    continue
+                state = open_windows[writer] = [opened[0], opened[1], opened[1] + opened[2], 0.0]
+            key = rng.randrange(60)
+            data = rng.randbytes(size)
+            digest = write(store, state[1], data)
+            if rng.random() < 0.1:
+                store.reserved_view(state[1], 1)[0] ^= 1
+            state[3] = store.clock_.now + windows.ttl_s - 2.0
+            windows.commit(state[0], [(key, state[1], size, digest)])
+            state[1] += size
+        elif op < 0.65:
+            key, data = rng.randrange(60, 120), rng.randbytes(rng.choice([1000, 200_000]))
+            held = store.exists(key) is not None
+            try:
+                store.put(key, data)
+                if not held:
+                    plain[key] = checksum(data)
+            except CapacityError:
+                pass
+        elif op < 0.8:
+            lease = store.get(rng.randrange(120))
+            if lease is not None:
+                leases.append(lease)
+        elif op < 0.9 and leases:
+            store.release(leases.pop(rng.randrange(len(leases))).lease_id)
+        elif op < 0.95 and open_windows:
+            windows.close(open_windows.pop(rng.choice(list(open_windows)))[0])
+        else:
+            store.clock_.now += rng.choice([1.0, 6.0])
+        check()
+    windows.close_all()
+    check()
+    assert dram.used_bytes == sum(n for _, n in dram._blocks.values())
