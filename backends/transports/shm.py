@@ -47,7 +47,8 @@ class _Window:
     same monotonic clock)."""
 
     window_id: int
-    view: memoryview  # the peer's whole file, writable
+    path: str  # the peer's shared DRAM file
+    view: memoryview  # all of it, writable
     end: int
     cursor: int
     ttl_s: float
@@ -84,6 +85,7 @@ class ShmTransport(StagedTransport):
         path = Path(path_text)
         if path.parent != SHM_DIR or not path.name.startswith(PREFIX):
             raise ValueError(f"refusing shared-memory path {path}")
+        self._unmap_gone_peers()
         if (path_text, writable) not in self._peer_maps:
             with open(path, "r+b" if writable else "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -100,6 +102,17 @@ class ShmTransport(StagedTransport):
         return {"keys": [k for k, _ in located], "sums": [loc.checksum for _, loc in located],
                 "sizes": [len(memoryview(loc.data).cast("B")) for _, loc in located],
                 "locs": [[loc.shm_path, loc.offset] for _, loc in located]}, []
+
+    def _unmap_gone_peers(self) -> None:
+        """Unmap files their owner has deleted (it stopped or restarted): a mapping would otherwise keep
+        the whole of a dead cache node's DRAM in memory for as long as this endpoint lives."""
+        for peer in [p for p, w in self._windows.items() if not os.path.exists(w.path)]:
+            self._windows.pop(peer).view.release()
+        for key in [k for k in self._peer_maps if not os.path.exists(k[0])]:
+            try:
+                self._peer_maps.pop(key).close()
+            except BufferError:  # a view is still out: the mapping goes when the view does
+                pass
 
     @contextmanager
     def _incoming(self, header, frames, keep=False):
@@ -216,8 +229,8 @@ class ShmTransport(StagedTransport):
                 if header.get("window") is None:  # no room now: this put goes the usual way
                     return None
                 view = self._peer_view(header["shm"], writable=True)
-                window = _Window(header["window"], view, header["offset"] + header["size"], header["offset"],
-                                 float(header["ttl_s"]), 0.0)
+                window = _Window(header["window"], header["shm"], view, header["offset"] + header["size"],
+                                 header["offset"], float(header["ttl_s"]), 0.0)
                 window.renew(now)  # the lender started its TTL on receipt, after `now`
                 self._windows[peer] = window
                 return window

@@ -133,3 +133,27 @@ def test_a_sender_stops_writing_into_a_window_before_the_node_may_take_it_back()
             await server.stop()
             store.close()
     asyncio.run(run())
+
+
+def test_a_sender_unmaps_the_dram_of_a_node_that_is_gone():
+    async def run():
+        old, old_server, client, old_address = await serve("shm", True)
+        new = KVStore(StoreConfig(dram_bytes=64 << 20), shared_dram=True)
+        new_server = load_backend("transports", "shm")()
+        new_address = await new_server.start(StoreService(new, read_lease_s=5.0))
+        try:
+            assert (await client.send(old_address, [(1, b"x" * 4096)], timeout_s=10)).ok
+            assert (await client.fetch(old_address, [1], timeout_s=10)).ok
+            old_path = old.dram_location(1)[0]
+            mappings = [m for (path, _), m in client._peer_maps.items() if path == old_path]
+            assert len(mappings) == 2  # read-only for gets, writable for the window
+            await old_server.stop()
+            old.close()  # the node is gone, and its DRAM file with it
+            assert (await client.send(new_address, [(2, b"y" * 4096)], timeout_s=10)).ok
+            assert {path for path, _ in client._peer_maps} == {new.dram_location(2)[0]}
+            assert all(m.closed for m in mappings) and old_address not in client._windows
+        finally:
+            await client.stop()
+            await new_server.stop()
+            new.close()
+    asyncio.run(run())
