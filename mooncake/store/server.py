@@ -164,6 +164,7 @@ class CacheServer:
     async def _publish_events(self) -> None:
         while True:
             await asyncio.sleep(self.config.cache.event_interval_s)
+            self.service.windows.expire()  # a writer that died leaves its window: take it back in time
             events = self.store.drain_events()
             if events:
                 batch = [[e.kind, e.key, e.tier] for e in events]

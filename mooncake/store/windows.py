@@ -51,7 +51,7 @@ class WriteWindows:
     def open(self, want: int, need: int) -> tuple[int, int, int] | None:
         """(window id, offset, size) of a new window: `want` bytes, capped at a share of DRAM, but never
         under `need`; None when the store cannot write in place or make room."""
-        self._expire()
+        self.expire()
         capacity = self.store.tiers[0].capacity_bytes
         size = max(need, min(want, capacity // self.MAX_SHARE))
         offset = self.store.reserve(size)
@@ -64,7 +64,7 @@ class WriteWindows:
     def commit(self, window_id: int, blocks: list[tuple[int, int, int, int]]) -> list[str | None]:
         """Adopt blocks written in a window, each (key, offset, size, checksum); per block, None or why
         not. Raises UnknownWindow."""
-        self._expire()
+        self.expire()
         window = self._windows.get(window_id)
         if window is None:
             raise UnknownWindow(window_id)
@@ -106,7 +106,8 @@ class WriteWindows:
         """Bytes of DRAM lent and not yet holding a block (the cache's loss while windows are open)."""
         return sum(w.size - sum(n for _, n in w.taken) for w in self._windows.values())
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
+        """Take back windows idle past their TTL (also done by every open and commit)."""
         now = self.clock()
         for window_id in [w for w, window in self._windows.items() if window.expires <= now]:
             self.close(window_id)
