@@ -86,13 +86,12 @@ class ShmTransport(StagedTransport):
         if path.parent != SHM_DIR or not path.name.startswith(PREFIX):
             raise ValueError(f"refusing shared-memory path {path}")
         self._unmap_gone_peers()
-        if (path_text, writable) not in self._peer_maps:
-            with open(path, "r+b" if writable else "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if size <= POPULATE_MAX_BYTES else 0)
-                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-                self._peer_maps[(path_text, writable)] = mmap.mmap(f.fileno(), 0, flags=flags, prot=prot)
-        return memoryview(self._peer_maps[(path_text, writable)])
+        with open(path, "r+b" if writable else "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if size <= POPULATE_MAX_BYTES else 0)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mapping = self._peer_maps[(path_text, writable)] = mmap.mmap(f.fileno(), 0, flags=flags, prot=prot)
+        return memoryview(mapping)
 
     def _outgoing_located(self, located, request_id):
         # One copy: blocks already in a shared-memory file (the cache node's DRAM tier) are read by the
