@@ -11,7 +11,6 @@ Peer files are mapped with their page tables filled up front (up to POPULATE_MAX
 of each 4 KiB page otherwise costs a fault that, on this kind of host, takes longer than copying it."""
 
 import asyncio
-import logging
 import mmap
 import os
 import time
@@ -21,14 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import zmq
 
 from backends.transports.staged import StagedTransport
 from mooncake.hashing import checksum
 from mooncake.transfer.contract import BlockResult, TransferError, TransferResult, new_request_id
 from mooncake.transfer.framing import pack_header
-
-log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 PREFIX = "mooncake-shm-"
@@ -218,7 +214,7 @@ class ShmTransport(StagedTransport):
                     self._windows[peer] = window
                     return window
                 if window is not None:
-                    await self._close_window(peer, window)
+                    self._close_window(peer, window)
                 open_id = f"{request_id}.window"
                 header, _ = await self._request(peer, open_id, [pack_header(
                     "open-window", open_id, want=max(WINDOW_BYTES, 4 * need), need=need)], self._left(deadline))
@@ -237,8 +233,8 @@ class ShmTransport(StagedTransport):
             raise TransferError(f"transfer {request_id} to {peer}: no write window within the deadline (peer "
                                 f"down or overloaded)") from None
 
-    async def _close_window(self, peer, window) -> None:
-        await self._send_to(peer, [pack_header("close-window", new_request_id(), window=window.window_id)])
+    def _close_window(self, peer, window) -> None:
+        self._notify(peer, [pack_header("close-window", new_request_id(), window=window.window_id)])
 
     @staticmethod
     def _left(deadline: float) -> float:
@@ -246,10 +242,7 @@ class ShmTransport(StagedTransport):
 
     async def stop(self) -> None:
         for peer, window in list(self._windows.items()):  # hand the unused bytes back, if the peer listens
-            try:
-                await asyncio.wait_for(self._close_window(peer, window), 0.1)
-            except (asyncio.TimeoutError, zmq.ZMQError, OSError) as exc:
-                log.debug("shm transport: could not close the window at %s: %s", peer, exc)
+            self._close_window(peer, window)
         self._windows.clear()
         await super().stop()
         self.buffer = None

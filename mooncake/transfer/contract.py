@@ -5,7 +5,8 @@ Callers: the cache role `start()`s a transport with a `BlockService` (its store)
 blocks; prefill and decode instances `send()` new blocks and `fetch()` cached ones. Backends (found by name
 in `mooncake.registry`): `backends/transports/inproc.py` (tests), `tcp.py` (ZeroMQ), `shm.py` (same host)."""
 
-import uuid
+import itertools
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
@@ -99,5 +100,20 @@ class Transport(ABC):
         await self.stop()
 
 
+_id_prefix = ""
+_id_counter = itertools.count()
+
+
+def _new_id_prefix() -> None:
+    """A random prefix per process (a forked child draws its own), so that ids from different senders
+    do not collide; a counter after it is far cheaper than a uuid per request."""
+    global _id_prefix, _id_counter
+    _id_prefix, _id_counter = os.urandom(5).hex(), itertools.count()
+
+
+_new_id_prefix()
+os.register_at_fork(after_in_child=_new_id_prefix)
+
+
 def new_request_id() -> str:
-    return uuid.uuid4().hex[:16]
+    return f"{_id_prefix}{next(_id_counter):x}"

@@ -220,3 +220,19 @@ def test_a_transfer_id_already_in_flight_is_refused_not_left_hanging(name):
             await client.stop()
             await server.stop()
     asyncio.run(run())
+
+
+def test_request_ids_are_unique_within_a_process_and_differ_in_a_forked_child():
+    from mooncake.transfer.contract import new_request_id
+    ids = {new_request_id() for _ in range(10_000)}
+    assert len(ids) == 10_000
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports its first id and leaves at once
+        os.write(write, new_request_id().encode())
+        os._exit(0)
+    os.close(write)
+    child_id = os.read(read, 64).decode()
+    os.waitpid(pid, 0)
+    parent_id = new_request_id()
+    assert child_id and child_id not in ids and child_id[:10] != parent_id[:10]
