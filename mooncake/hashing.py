@@ -41,3 +41,9 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, namespace: bytes,
 def checksum(data) -> int:
     """Payload checksum (xxh3-64 of the raw bytes); any buffer-protocol object works."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def checksum_stream():
+    """An incremental form of `checksum`: `.update(chunk)` in order, then `.intdigest()` equals
+    `checksum` of the whole."""
+    return xxhash.xxh3_64()

@@ -75,7 +75,7 @@ class MooncakeTransport(StagedTransport):
         return {"session": self.session}
 
     @contextmanager
-    def _incoming(self, header, frames, keep=False):
+    def _incoming(self, header, frames):
         total = sum(header["sizes"])
         offset = self._stage(total)
         try:
@@ -85,7 +85,7 @@ class MooncakeTransport(StagedTransport):
             view = memoryview(self.buffer)[offset:offset + total]
             blocks, cursor = [], 0
             for n in header["sizes"]:
-                blocks.append(bytes(view[cursor:cursor + n]) if keep else view[cursor:cursor + n])
+                blocks.append(view[cursor:cursor + n])
                 cursor += n
             yield blocks
         finally:

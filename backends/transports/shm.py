@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 
 from backends.transports.staged import StagedTransport
-from mooncake.hashing import checksum
 from mooncake.transfer.contract import BlockResult, TransferError, TransferResult, new_request_id
 from mooncake.transfer.framing import pack_header
 
@@ -110,7 +109,7 @@ class ShmTransport(StagedTransport):
                 pass
 
     @contextmanager
-    def _incoming(self, header, frames, keep=False):
+    def _incoming(self, header, frames):
         if "locs" in header:
             places = [(self._peer_view(path), offset) for path, offset in header["locs"]]
         else:
@@ -119,7 +118,7 @@ class ShmTransport(StagedTransport):
             for n in header["sizes"]:
                 places.append((view, cursor))
                 cursor += n
-        blocks = [bytes(v[o:o + n]) if keep else v[o:o + n] for (v, o), n in zip(places, header["sizes"])]
+        blocks = [v[o:o + n] for (v, o), n in zip(places, header["sizes"])]
         try:
             yield blocks
         finally:
@@ -186,10 +185,9 @@ class ShmTransport(StagedTransport):
         start = time.perf_counter()
         offsets, sums = [], []
         cursor, window.cursor = window.cursor, window.cursor + need  # taken now: no await in between
+        target = np.frombuffer(window.view, dtype=np.uint8)
         for key, view in views:
-            sums.append(checksum(view))
-            data = self.tamper(key, bytes(view)) if self.tamper else view
-            window.view[cursor:cursor + len(view)] = data
+            sums.append(self._place(target[cursor:cursor + len(view)], key, view))
             offsets.append(cursor)
             cursor += len(view)
         frames = [pack_header("put-placed", request_id, window=window.window_id, keys=[k for k, _ in views],

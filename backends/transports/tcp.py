@@ -166,9 +166,14 @@ class TcpTransport(Transport):
         return {"keys": [k for k, _ in located], "sums": [loc.checksum for _, loc in located]}, views
 
     @contextmanager
-    def _incoming(self, header: dict, frames: list, keep: bool = False):
-        """The blocks' bytes, in key order: valid inside the `with`, or for good with `keep`."""
+    def _incoming(self, header: dict, frames: list):
+        """The blocks' bytes, in the header's key order, valid inside the `with`."""
         yield frames
+
+    def _kept(self, blocks: list) -> tuple[list, list]:
+        """Fetched blocks the caller may keep, and their checksums where already computed (None: the
+        verifier hashes it). A ZeroMQ frame is already the receiver's own."""
+        return blocks, [None] * len(blocks)
 
     # -- client side ------------------------------------------------------------------------------
 
@@ -261,13 +266,14 @@ class TcpTransport(Transport):
         start = time.perf_counter()
         header, data = await self._request(peer, request_id, [pack_header("get", request_id, keys=keys)],
                                            timeout_s)
-        with self._incoming(header, data, keep=True) as blocks:
-            by_key = {k: (s, b) for k, s, b in zip(header["keys"], header["sums"], blocks)}
+        with self._incoming(header, data) as views:
+            blocks, digests = self._kept(views)
         if "staged" in header:  # tell the peer its staged reply may be reused; no answer expected
             self._notify(peer, [pack_header("release", request_id, staged=header["staged"])])
-        results = verify_blocks(keys, [by_key.get(k, (None, b""))[0] for k in keys],
-                                [by_key.get(k, (None, b""))[1] for k in keys])
-        num_bytes = sum(len(b) for _, b in by_key.values())
+        by_key = {k: (s, b, d) for k, s, b, d in zip(header["keys"], header["sums"], blocks, digests)}
+        sums, frames, known = zip(*(by_key.get(k, (None, b"", None)) for k in keys)) if keys else ((), (), ())
+        results = verify_blocks(keys, sums, frames, known)
+        num_bytes = sum(len(b) for b in blocks)
         return TransferResult(peer, request_id, results, num_bytes, time.perf_counter() - start)
 
     def _sent(self, fields: dict) -> None:

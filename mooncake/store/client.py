@@ -7,6 +7,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 import zmq
 import zmq.asyncio
@@ -114,7 +115,7 @@ class CacheClient:
             return {key: str(exc) for key, _ in blocks}
         return {b.key: b.error for b in result.blocks}
 
-    async def get_blocks(self, keys: list[int]) -> dict[int, bytes | None]:
+    async def get_blocks(self, keys: list[int]) -> dict[int, bytes | memoryview | None]:
         """Each key's bytes (verified), or None where no live node holds it."""
         found: dict[int, bytes | None] = {key: None for key in keys}
         candidates = {key: [n for n in self.ranked_nodes(key) if n.is_up] for key in keys}
@@ -174,12 +175,15 @@ async def _all(calls: list) -> list:
     return await asyncio.gather(*calls)
 
 
-def _owned(data) -> bytes:
-    """Fetched bytes the caller may keep: as they are when the transport already copied them into a
-    bytes object (shm, mooncake), else a copy (of a view into a ZeroMQ frame, say)."""
+def _owned(data) -> bytes | memoryview:
+    """Fetched bytes the caller may keep: as they are when the transport already made them a private
+    copy (shm and mooncake: a bytes object, or all of a numpy array it allocated), else a copy (of a view
+    into a ZeroMQ frame, say)."""
     if isinstance(data, bytes):
         return data
     whole = data.obj if isinstance(data, memoryview) else None
     if isinstance(whole, bytes) and len(whole) == data.nbytes:
         return whole
+    if isinstance(whole, np.ndarray) and whole.base is None and whole.nbytes == data.nbytes:
+        return data
     return bytes(data)

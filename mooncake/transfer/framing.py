@@ -38,14 +38,15 @@ def block_frames(blocks: list[tuple[int, bytes | memoryview]], tamper: Tamper = 
     return keys, sizes, sums, frames
 
 
-def verify_blocks(keys, sums, frames) -> list[BlockResult]:
-    """A result per block: the data if its checksum matches, else a checksum error (data withheld)."""
+def verify_blocks(keys, sums, frames, digests=None) -> list[BlockResult]:
+    """A result per block: the data if its checksum matches, else a checksum error (data withheld).
+    `digests`, where given, are the frames' checksums already computed (by `copy_checked`)."""
     results = []
-    for key, digest, frame in zip(keys, sums, frames):
+    for i, (key, digest, frame) in enumerate(zip(keys, sums, frames)):
         view = memoryview(frame).cast("B") if not isinstance(frame, memoryview) else frame
         if digest is None:
             results.append(BlockResult(key, error="not found"))
-        elif checksum(view) != digest:
+        elif (checksum(view) if digests is None or digests[i] is None else digests[i]) != digest:
             results.append(BlockResult(key, error="checksum mismatch: corrupted in transit"))
         else:
             results.append(BlockResult(key, data=view))
