@@ -164,7 +164,7 @@ class ShmTransport(StagedTransport):
             raise TransferError(f"transfer {request_id} to {peer}: a transfer with this id is already in flight")
         self._placing.add(request_id)
         try:
-            deadline = asyncio.get_running_loop().time() + timeout_s
+            deadline = self._now() + timeout_s
             result = await self._send_placed(peer, blocks, deadline, request_id)
         finally:
             self._placing.discard(request_id)
@@ -192,7 +192,7 @@ class ShmTransport(StagedTransport):
             cursor += len(view)
         frames = [pack_header("put-placed", request_id, window=window.window_id, keys=[k for k, _ in views],
                               sums=sums, offsets=offsets, sizes=[len(v) for _, v in views])]
-        window.renew(asyncio.get_running_loop().time())  # the lender renews it on receipt, later than this
+        window.renew(self._now())  # the lender renews it on receipt, later than this
         header, _ = await self._request(peer, request_id, frames, self._left(deadline))
         if header.get("unknown_window"):
             if self._windows.get(peer) is window:
@@ -203,10 +203,13 @@ class ShmTransport(StagedTransport):
 
     async def _window(self, peer, need, deadline, request_id) -> _Window | None:
         """The peer's window with `need` bytes free, opening a new one when the current one is full."""
+        window = self._windows.get(peer)
+        if window is not None and window.cursor + need <= window.end and self._now() < window.usable_until:
+            return window  # the usual case: room left, nothing to wait for (no lock, no timeout scope)
         lock = self._window_locks.setdefault(peer, asyncio.Lock())
         try:
             async with asyncio.timeout_at(deadline), lock:
-                now = asyncio.get_running_loop().time()
+                now = self._now()
                 window = self._windows.pop(peer, None)
                 if window is not None and window.cursor + need <= window.end and now < window.usable_until:
                     self._windows[peer] = window
@@ -235,8 +238,11 @@ class ShmTransport(StagedTransport):
         self._notify(peer, [pack_header("close-window", new_request_id(), window=window.window_id)])
 
     @staticmethod
-    def _left(deadline: float) -> float:
-        return max(0.0, deadline - asyncio.get_running_loop().time())
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
+
+    def _left(self, deadline: float) -> float:
+        return max(0.0, deadline - self._now())
 
     async def stop(self) -> None:
         for peer, window in list(self._windows.items()):  # hand the unused bytes back, if the peer listens

@@ -10,6 +10,7 @@ may have died); a writer must stop writing into a window before then (the shm tr
 minus a margin after its last commit was sent), since the bytes may be lent or stored anew. Blocks are
 never read from a range before their commit verified it, and a reader verifies every block anyway."""
 
+import bisect
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -27,13 +28,22 @@ class _Window:
     offset: int
     size: int
     expires: float
-    taken: list[tuple[int, int]] = field(default_factory=list)  # committed ranges (offset, size)
+    taken: list[tuple[int, int]] = field(default_factory=list)  # committed ranges (offset, size), sorted
+    taken_bytes: int = 0
 
     def holds(self, offset: int, size: int) -> bool:
         return self.offset <= offset and offset + size <= self.offset + self.size and size > 0
 
     def overlaps(self, offset: int, size: int) -> bool:
-        return any(offset < o + n and o < offset + size for o, n in self.taken)
+        """Whether the range meets one already taken: only its neighbours in offset order can (a window
+        of small blocks holds thousands)."""
+        i = bisect.bisect_left(self.taken, (offset, 0))
+        after = i < len(self.taken) and self.taken[i][0] < offset + size
+        return after or (i > 0 and self.taken[i - 1][0] + self.taken[i - 1][1] > offset)
+
+    def take(self, offset: int, size: int) -> None:
+        bisect.insort(self.taken, (offset, size))
+        self.taken_bytes += size
 
 
 class WriteWindows:
@@ -74,7 +84,7 @@ class WriteWindows:
             if not window.holds(offset, size) or window.overlaps(offset, size):
                 errors.append(f"range {offset}+{size} is outside the writer's window or already used")
                 continue
-            window.taken.append((offset, size))
+            window.take(offset, size)
             if checksum(self.store.reserved_view(offset, size)) != digest:
                 self.store.release_reserved(offset, size)
                 errors.append("checksum mismatch: corrupted in transit")
@@ -90,7 +100,7 @@ class WriteWindows:
         if window is None:
             return
         cursor = window.offset
-        for offset, size in sorted(window.taken) + [(window.offset + window.size, 0)]:
+        for offset, size in window.taken + [(window.offset + window.size, 0)]:
             if offset > cursor:
                 self.store.release_reserved(cursor, offset - cursor)
             cursor = max(cursor, offset + size)
@@ -104,7 +114,7 @@ class WriteWindows:
 
     def lent_bytes(self) -> int:
         """Bytes of DRAM lent and not yet holding a block (the cache's loss while windows are open)."""
-        return sum(w.size - sum(n for _, n in w.taken) for w in self._windows.values())
+        return sum(w.size - w.taken_bytes for w in self._windows.values())
 
     def expire(self) -> None:
         """Take back windows idle past their TTL (also done by every open and commit)."""

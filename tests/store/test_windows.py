@@ -188,3 +188,19 @@ def test_random_writers_puts_evictions_and_expiry_keep_every_byte_accounted_for(
     windows.close_all()
     check()
     assert dram.used_bytes == sum(n for _, n in dram._blocks.values())
+
+
+def test_a_range_overlaps_exactly_when_it_meets_one_already_taken():
+    import random
+
+    from mooncake.store.windows import _Window
+    rng = random.Random(5)
+    window = _Window(offset=0, size=4096, expires=0.0)
+    for _ in range(2000):
+        offset, size = rng.randrange(4096), rng.randrange(1, 64)
+        brute = any(offset < o + n and o < offset + size for o, n in window.taken)
+        assert window.overlaps(offset, size) == brute, (offset, size)
+        if not brute and rng.random() < 0.5:
+            window.take(offset, size)
+    assert window.taken == sorted(window.taken) and len(window.taken) > 50
+    assert window.taken_bytes == sum(n for _, n in window.taken)
