@@ -33,16 +33,18 @@ MODEL_BLOCK = 30 * 2 * 64 * 3 * 64 * 4
 
 
 class Sink:
-    """The peer's BlockService in this benchmark: keeps the last bytes per key. A tcp receiver already
-    owns its ZeroMQ frames and keeps them as they are; shm and mooncake hand out views of a staging
-    buffer that is reused, so those are copied, as any receiver would have to."""
+    """The peer's BlockService in this benchmark: keeps the last bytes per key, as the decode inbox does.
+    Like the inbox it says `keeps_blocks`, so each transport hands it bytes it may hold: a tcp receiver
+    its ZeroMQ frames as they are; shm and mooncake a copy out of their reused buffers, hashed as it is
+    copied."""
 
-    def __init__(self, copy: bool):
-        self.copy = copy
+    keeps_blocks = True
+
+    def __init__(self):
         self.blocks = {}
 
     def put_block(self, key, data):
-        self.blocks[key] = bytes(data) if self.copy else data
+        self.blocks[key] = data
 
     def get_block(self, key):
         return self.blocks.get(key)
@@ -52,7 +54,7 @@ class Sink:
 
 async def serve_transport(name: str, sizes: list[int]) -> None:
     transport = load_backend("transports", name)()
-    sink = Sink(copy=name != "tcp")
+    sink = Sink()
     for size in sizes:  # blocks the client will fetch
         sink.blocks[size] = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8).tobytes()
     print(await transport.start(sink), flush=True)

@@ -127,9 +127,13 @@ class TcpTransport(Transport):
             with self._incoming(header, data) as blocks:
                 if len(blocks) != len(header["keys"]):
                     raise ValueError(f"{len(header['keys'])} keys but {len(blocks)} blocks of data")
+                digests = None
+                if getattr(self.service, "keeps_blocks", False):  # it keeps what it gets: hand it its own
+                    blocks, digests = self._kept(blocks)
                 with_sum = getattr(self.service, "accepts_checksum", False)
                 errors = []
-                for block, digest in zip(verify_blocks(header["keys"], header["sums"], blocks), header["sums"]):
+                verified = verify_blocks(header["keys"], header["sums"], blocks, digests)
+                for block, digest in zip(verified, header["sums"]):
                     if not block.ok:
                         errors.append(block.error)
                     else:

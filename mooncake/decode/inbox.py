@@ -6,9 +6,11 @@ import time
 
 
 class KVInbox:
+    keeps_blocks = True  # transports hand over block bytes it may hold (mooncake/transfer/contract.py)
+
     def __init__(self, ttl_s: float):
         self.ttl_s = ttl_s
-        self._blocks: dict[int, list] = {}  # hash -> [bytes, copies pending, arrival time]
+        self._blocks: dict[int, list] = {}  # hash -> [block bytes, copies pending, arrival time]
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -16,8 +18,7 @@ class KVInbox:
     def put_block(self, key: int, data) -> str | None:
         entry = self._blocks.get(key)
         if entry is None:
-            # NOTE: a copy: `data` may be a view of a transport buffer that is reused after this call.
-            self._blocks[key] = [bytes(data), 1, time.monotonic()]
+            self._blocks[key] = [data, 1, time.monotonic()]
         else:
             entry[1] += 1
             entry[2] = time.monotonic()
@@ -26,7 +27,7 @@ class KVInbox:
     def get_block(self, key: int):
         return None  # nobody reads from a decode inbox over the network
 
-    def claim(self, keys: list[int]) -> list[bytes]:
+    def claim(self, keys: list[int]) -> list[bytes | memoryview]:
         """The leading run of `keys` present, one copy each taken out of the inbox."""
         found = []
         for key in keys:

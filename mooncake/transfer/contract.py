@@ -30,6 +30,10 @@ class BlockService(Protocol):
     # Optional, for services that know more (the cache role's store):
     #   accepts_checksum = True  -> put_block(key, data, checksum) gets the checksum the transport verified
     #   locate_block(key) -> BlockLocation | None, used instead of get_block when present
+    # and for services that hold blocks as they are (the decode inbox):
+    #   keeps_blocks = True  -> put_block's data stays valid for as long as the service holds it (the
+    #   transport copies out of its reused buffers first, hashing as it copies), so it keeps it uncopied;
+    #   otherwise data may be a view valid only during the call
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,21 @@ class DictService:
         return self.blocks.get(key)
 
 
+class KeepingService:
+    """A service that holds blocks as it gets them (as the decode inbox does): the transport must hand it
+    bytes that stay valid after its own buffers are reused."""
+    keeps_blocks = True
+
+    def __init__(self):
+        self.blocks = {}
+
+    def put_block(self, key, data):
+        self.blocks[key] = data
+
+    def get_block(self, key):
+        return self.blocks.get(key)
+
+
 def flip_byte_of(*target_keys):
     def tamper(key, data):
         if key not in target_keys:
@@ -236,3 +251,24 @@ def test_request_ids_are_unique_within_a_process_and_differ_in_a_forked_child():
     os.waitpid(pid, 0)
     parent_id = new_request_id()
     assert child_id and child_id not in ids and child_id[:10] != parent_id[:10]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_service_that_keeps_blocks_gets_bytes_that_outlive_the_transports_buffers(name):
+    available(name)
+
+    async def run():
+        cls = load_backend("transports", name)
+        server, client, service = cls(), cls(), KeepingService()
+        address = await server.start(service)
+        await client.start()
+        try:
+            first, second = payloads(), [(k + 10, os.urandom(len(d))) for k, d in payloads()]
+            for batch in (first, second):  # the second reuses the sender's staging, or the receiver's
+                sent = await client.send(address, batch, timeout_s=10)
+                assert sent.ok
+            assert [bytes(service.blocks[k]) for k, _ in first + second] == [d for _, d in first + second]
+        finally:
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())
