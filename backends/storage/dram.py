@@ -63,7 +63,7 @@ class DramTier(StorageTier):
         self._used += len(view)
         return True
 
-    # Ranges written in place (mooncake/store/windows.py): reserved, filled by a writer, then adopted.
+    # Ranges written in place (mooncake/transfer/windows.py): reserved, filled by a writer, then adopted.
 
     def reserve(self, size: int) -> int | None:
         """Offset of `size` free bytes set aside (no block yet), or None if no range is that large."""

@@ -3,7 +3,7 @@ and reused); a sender stages block bytes there and the receiver reads them in pl
 mapping of the sender's segment. ZeroMQ carries only the doorbell. Segments of processes that died
 without cleaning up are removed by the next endpoint that starts.
 
-A peer whose service lends write windows (a cache node: mooncake/store/windows.py) gets puts written
+A peer whose service lends write windows (a cache node: mooncake/transfer/windows.py) gets puts written
 straight into its shared DRAM tier instead: the sender copies each block once, into the window, and the
 node only verifies it where it lies. Reads from a cache node copy straight out of its DRAM tier.
 

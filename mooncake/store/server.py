@@ -14,7 +14,7 @@ from mooncake.config import MooncakeConfig
 from mooncake.errors import CapacityError, MooncakeError
 from mooncake.registry import load_backend
 from mooncake.store.store import KVStore
-from mooncake.store.windows import WriteWindows
+from mooncake.transfer.windows import WriteWindows
 from mooncake.transfer.contract import BlockLocation
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class StoreService:
         self.read_lease_s = read_lease_s
         self.windows = WriteWindows(store)
 
-    # Writes in place, for same-host writers (the shm transport; mooncake/store/windows.py).
+    # Writes in place, for same-host writers (the shm transport; mooncake/transfer/windows.py).
 
     def open_window(self, want: int, need: int) -> tuple[int, str, int, int, float] | None:
         """(window id, shared DRAM file, offset, size, idle seconds before it is taken back), or None if

@@ -124,18 +124,25 @@ class KVStore:
     def reserved_view(self, offset: int, size: int) -> memoryview:
         return self.tiers[0].view_of(offset, size)
 
-    def adopt(self, key: int, offset: int, size: int, checksum: int, position: int = 0) -> bool:
-        """Make a reserved range, written and verified, block `key` of the DRAM tier. False if the key is
-        already held (a put of a held key is a no-op): the range stays reserved for the caller to release."""
+    @property
+    def lendable_bytes(self) -> int:
+        """DRAM a writer may be lent ranges of (mooncake/transfer/windows.py): all of a shared tier."""
+        top = self.tiers[0]
+        return top.capacity_bytes if getattr(top, "path", None) is not None else 0
+
+    def adopt(self, key: int, offset: int, size: int, checksum: int, position: int = 0) -> None:
+        """Make a reserved range, written and verified, block `key` of the DRAM tier. If the key is
+        already held (a put of a held key is a no-op) the range is released instead."""
         if self._tier_of(key) is not None:
-            return False
+            self.release_reserved(offset, size)
+            return None
         top = self.tiers[0]
         top.adopt(key, offset, size)
         self._sums[key] = checksum
         self.policies[top.name].touch(key, position)
         self.metrics.bytes_in += size
         self._events.append(StoreEvent("add", key, top.name))
-        return True
+        return None
 
     def release_reserved(self, offset: int, size: int) -> None:
         self.tiers[0].release(offset, size)

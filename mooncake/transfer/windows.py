@@ -1,22 +1,44 @@
-"""Write windows: ranges of a cache node's shared DRAM tier lent to a same-host writer (the shm transport),
-who puts blocks by writing them there in place. The node then checks each block's checksum where it lies
-and adopts the range as the block's storage, so a put costs the node one read instead of a read and a
+"""Write windows: ranges of a lender's shared memory lent to a same-host writer (the shm transport), who
+puts blocks by writing them there in place. The lender then checks each block's checksum where it lies
+and adopts the range as the block's storage, so a put costs the lender one read instead of a read and a
 copy, and the writer one copy instead of two.
 
+Lenders: a cache node's shared DRAM tier (the store: blocks become cache entries), and an shm endpoint's
+own segment, for a service that keeps what it is given (the decode inbox: blocks stay where they were
+written until the service lets go of them).
+
 A window belongs to one writer. Blocks are committed at non-overlapping ranges inside it; a range whose
-block fails its checksum, or whose key the store already holds, goes back to the arena at once; what
-no block took goes back when the window closes, or expires after `ttl_s` without a commit (its writer
-may have died); a writer must stop writing into a window before then (the shm transport stops at TTL
-minus a margin after its last commit was sent), since the bytes may be lent or stored anew. Blocks are
-never read from a range before their commit verified it, and a reader verifies every block anyway."""
+block fails its checksum, or that the lender does not take, goes back at once; what no block took goes
+back when the window closes, or expires after `ttl_s` without a commit (its writer may have died); a
+writer must stop writing into a window before then (the shm transport stops at TTL minus a margin after
+its last commit was sent), since the bytes may be lent or stored anew. Blocks are never read from a
+range before their commit verified it, and a reader verifies every block anyway."""
 
 import bisect
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from mooncake.hashing import checksum
-from mooncake.store.store import KVStore
+
+
+class Lender(Protocol):
+    """Shared memory that lends ranges: the store (mooncake/store/store.py) or an shm endpoint."""
+
+    lendable_bytes: int  # how much it could lend in all; a window is at most a share of it
+
+    def reserve(self, size: int) -> int | None:
+        """Offset of `size` bytes set aside for a writer, or None if it cannot make room."""
+
+    def reserved_view(self, offset: int, size: int) -> memoryview: ...
+
+    def adopt(self, key: int, offset: int, size: int, checksum: int, position: int) -> str | None:
+        """Take a written and verified range as block `key` (`position`: its place in its put). None when
+        taken, or when the key is already held (a no-op); else why not. A range not taken the lender
+        releases itself."""
+
+    def release_reserved(self, offset: int, size: int) -> None: ...
 
 
 class UnknownWindow(KeyError):
@@ -47,24 +69,27 @@ class _Window:
 
 
 class WriteWindows:
-    # A window is at most 1/32 of the DRAM tier (unless one block needs more): lent bytes are bytes the
-    # cache does not hold, so several writers together must not take much of it, nor an idle one long.
+    # A window is at most 1/32 of what the lender could lend (unless one block needs more): for a cache
+    # node, lent bytes are bytes the cache does not hold, so several writers together must not take much
+    # of it, nor an idle one long.
     MAX_SHARE = 32
 
-    def __init__(self, store: KVStore, ttl_s: float = 10.0, clock=time.monotonic):
-        self.store = store
+    def __init__(self, lender: Lender, ttl_s: float = 10.0, clock=time.monotonic, max_share: int = MAX_SHARE):
+        self.lender = lender
+        self.max_share = max_share
         self.ttl_s = ttl_s
         self.clock = clock
         self._windows: dict[int, _Window] = {}
         self._ids = itertools.count(1)
 
     def open(self, want: int, need: int) -> tuple[int, int, int] | None:
-        """(window id, offset, size) of a new window: `want` bytes, capped at a share of DRAM, but never
-        under `need`; None when the store cannot write in place or make room."""
+        """(window id, offset, size) of a new window: `want` bytes, capped at a share of the lender, but
+        never under `need`; None when the lender cannot lend or make room."""
         self.expire()
-        capacity = self.store.tiers[0].capacity_bytes
-        size = max(need, min(want, capacity // self.MAX_SHARE))
-        offset = self.store.reserve(size)
+        if not self.lender.lendable_bytes:
+            return None
+        size = max(need, min(want, self.lender.lendable_bytes // self.max_share))
+        offset = self.lender.reserve(size)
         if offset is None:
             return None
         window_id = next(self._ids)
@@ -85,13 +110,11 @@ class WriteWindows:
                 errors.append(f"range {offset}+{size} is outside the writer's window or already used")
                 continue
             window.take(offset, size)
-            if checksum(self.store.reserved_view(offset, size)) != digest:
-                self.store.release_reserved(offset, size)
+            if checksum(self.lender.reserved_view(offset, size)) != digest:
+                self.lender.release_reserved(offset, size)
                 errors.append("checksum mismatch: corrupted in transit")
                 continue
-            if not self.store.adopt(key, offset, size, digest, position):  # already held: a no-op put
-                self.store.release_reserved(offset, size)
-            errors.append(None)
+            errors.append(self.lender.adopt(key, offset, size, digest, position))
         return errors
 
     def close(self, window_id: int) -> None:
@@ -102,7 +125,7 @@ class WriteWindows:
         cursor = window.offset
         for offset, size in window.taken + [(window.offset + window.size, 0)]:
             if offset > cursor:
-                self.store.release_reserved(cursor, offset - cursor)
+                self.lender.release_reserved(cursor, offset - cursor)
             cursor = max(cursor, offset + size)
 
     def close_all(self) -> None:
@@ -113,7 +136,7 @@ class WriteWindows:
         return len(self._windows)
 
     def lent_bytes(self) -> int:
-        """Bytes of DRAM lent and not yet holding a block (the cache's loss while windows are open)."""
+        """Bytes lent and not yet holding a block (for a cache node, DRAM it cannot cache in meanwhile)."""
         return sum(w.size - w.taken_bytes for w in self._windows.values())
 
     def expire(self) -> None:

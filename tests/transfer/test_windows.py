@@ -9,7 +9,7 @@ from mooncake.config import StoreConfig
 from mooncake.errors import CapacityError
 from mooncake.hashing import checksum
 from mooncake.store.store import KVStore
-from mooncake.store.windows import UnknownWindow, WriteWindows
+from mooncake.transfer.windows import UnknownWindow, WriteWindows
 
 MiB = 1 << 20
 
@@ -193,7 +193,7 @@ def test_random_writers_puts_evictions_and_expiry_keep_every_byte_accounted_for(
 def test_a_range_overlaps_exactly_when_it_meets_one_already_taken():
     import random
 
-    from mooncake.store.windows import _Window
+    from mooncake.transfer.windows import _Window
     rng = random.Random(5)
     window = _Window(offset=0, size=4096, expires=0.0)
     for _ in range(2000):
