@@ -3,9 +3,11 @@ and reused); a sender stages block bytes there and the receiver reads them in pl
 mapping of the sender's segment. ZeroMQ carries only the doorbell. Segments of processes that died
 without cleaning up are removed by the next endpoint that starts.
 
-A peer whose service lends write windows (a cache node: mooncake/transfer/windows.py) gets puts written
-straight into its shared DRAM tier instead: the sender copies each block once, into the window, and the
-node only verifies it where it lies. Reads from a cache node copy straight out of its DRAM tier.
+Puts go through write windows (mooncake/transfer/windows.py) where the peer lends them: the sender copies
+each block once, into the window, and the peer only verifies it where it lies. A cache node lends
+ranges of its shared DRAM tier (blocks become cache entries in place); an endpoint whose service keeps
+what it is given (the decode inbox) lends ranges of its own segment, and the service holds the blocks
+there until it lets go of them. Reads from a cache node copy straight out of its DRAM tier.
 
 Peer files are mapped with their page tables filled up front (up to POPULATE_MAX_BYTES): a first touch
 of each 4 KiB page otherwise costs a fault that, on this kind of host, takes longer than copying it."""
@@ -15,6 +17,8 @@ import mmap
 import os
 import time
 import uuid
+import weakref
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +28,7 @@ import numpy as np
 from backends.transports.staged import StagedTransport
 from mooncake.transfer.contract import BlockResult, TransferError, TransferResult, new_request_id
 from mooncake.transfer.framing import pack_header
+from mooncake.transfer.windows import WriteWindows
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 PREFIX = "mooncake-shm-"
@@ -62,13 +67,16 @@ class ShmTransport(StagedTransport):
         self.path = SHM_DIR / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         with open(self.path, "w+b") as f:
             f.truncate(segment_bytes)
-            self._mapping = mmap.mmap(f.fileno(), segment_bytes)
+            # Populated up front, as peers' files are: writers' windows and staging move through all of it.
+            self._mapping = mmap.mmap(f.fileno(), segment_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self._init_staging(np.frombuffer(self._mapping, dtype=np.uint8), 0)
         self._peer_maps: dict[tuple[str, bool], mmap.mmap] = {}  # (path, writable) -> mapping
         self._windows: dict[str, _Window] = {}  # peer -> its current window
         self._window_locks: dict[str, asyncio.Lock] = {}
         self._no_windows: set[str] = set()  # peers whose service lends none
         self._placing: set[str] = set()  # ids of sends between their start and their window's reply
+        self._lender = None  # what lends windows to this endpoint's writers: its service, its segment, or none
+        self._let_go: deque[tuple[int, int]] = deque()  # ranges of kept blocks let go of, to free
 
     def _locator(self):
         return {"shm": str(self.path)}
@@ -128,12 +136,26 @@ class ShmTransport(StagedTransport):
 
     # -- write windows: the server side --------------------------------------------------------------
 
+    async def start(self, service=None, address=None) -> str:
+        if getattr(service, "open_window", None) is not None:  # a cache node: its DRAM tier lends windows
+            self._lender = service
+        elif getattr(service, "keeps_blocks", False):  # the decode inbox: this segment lends them
+            self._lender = _OwnSegment(self, service)
+        return await super().start(service, address)
+
+    def _stage(self, size: int) -> int:
+        self._free_let_go()
+        return super()._stage(size)
+
+    def _free_let_go(self) -> None:
+        while self._let_go:
+            self.arena.free(*self._let_go.popleft())
+
     def _handle_op(self, header, request_id, data):
-        op, service = header["op"], self.service
+        op, lender = header["op"], self._lender
         if op == "open-window":
-            opener = getattr(service, "open_window", None)
-            opened = opener(int(header["want"]), int(header["need"])) if opener is not None else None
-            fields = {"supported": opener is not None}
+            opened = lender.open_window(int(header["want"]), int(header["need"])) if lender is not None else None
+            fields = {"supported": lender is not None}
             if opened is not None:
                 fields.update(zip(("window", "shm", "offset", "size", "ttl_s"), opened))
             return [pack_header("window-reply", request_id, **fields)]
@@ -141,7 +163,7 @@ class ShmTransport(StagedTransport):
             start = time.perf_counter()
             blocks = list(zip(header["keys"], header["offsets"], header["sizes"], header["sums"]))
             try:
-                errors = service.commit_window(int(header["window"]), blocks)
+                errors = lender.commit_window(int(header["window"]), blocks)
             except KeyError:  # closed, expired, or lent before a restart: the sender puts the usual way
                 return [pack_header("put-reply", request_id, errors=[], unknown_window=True)]
             served = self.served["put"]
@@ -150,7 +172,7 @@ class ShmTransport(StagedTransport):
             served["seconds"] += time.perf_counter() - start
             return [pack_header("put-reply", request_id, errors=errors)]
         if op == "close-window":
-            service.close_window(int(header["window"]))
+            lender.close_window(int(header["window"]))
             return []
         return super()._handle_op(header, request_id, data)
 
@@ -261,6 +283,53 @@ class ShmTransport(StagedTransport):
         except BufferError:
             pass
         self.path.unlink(missing_ok=True)
+
+
+class _OwnSegment:
+    """An shm endpoint's own segment as a window lender (mooncake/transfer/windows.py), for a service that
+    keeps the blocks it is given (the decode inbox): a block written into a window is handed to the
+    service where it lies, and its range returns to the arena once the service lets go of it. A finalizer
+    on the array the service holds queues the range, since that may happen on any thread; the endpoint
+    frees queued ranges before it next allocates."""
+
+    KEEP_FREE = 4  # lend only while a quarter of the segment stays free for the endpoint's own staging
+
+    def __init__(self, transport: ShmTransport, service):
+        self.transport, self.service = transport, service
+        self.lendable_bytes = len(transport.buffer)
+        self.windows = WriteWindows(self, max_share=4)
+
+    # What a cache node's StoreService offers, for the write-window ops.
+
+    def open_window(self, want: int, need: int) -> tuple[int, str, int, int, float] | None:
+        opened = self.windows.open(want, need)
+        return None if opened is None else (opened[0], str(self.transport.path), *opened[1:], self.windows.ttl_s)
+
+    def commit_window(self, window_id: int, blocks: list[tuple[int, int, int, int]]) -> list[str | None]:
+        return self.windows.commit(window_id, blocks)
+
+    def close_window(self, window_id: int) -> None:
+        self.windows.close(window_id)
+
+    # The Lender protocol.
+
+    def reserve(self, size: int) -> int | None:
+        self.transport._free_let_go()
+        arena = self.transport.arena
+        if arena.largest_free_extent() - size < self.lendable_bytes // self.KEEP_FREE:
+            return None
+        return arena.alloc(size)
+
+    def reserved_view(self, offset: int, size: int) -> memoryview:
+        return memoryview(self.transport.buffer[offset:offset + size])
+
+    def adopt(self, key: int, offset: int, size: int, checksum: int, position: int) -> str | None:
+        held = self.transport.buffer[offset:offset + size]  # an array of its own: its finalizer frees the range
+        weakref.finalize(held, self.transport._let_go.append, (offset, size))
+        return self.service.put_block(key, memoryview(held))
+
+    def release_reserved(self, offset: int, size: int) -> None:
+        self.transport.arena.free(offset, size)
 
 
 def remove_stale_segments() -> None:

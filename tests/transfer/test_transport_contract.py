@@ -272,3 +272,21 @@ def test_a_service_that_keeps_blocks_gets_bytes_that_outlive_the_transports_buff
             await client.stop()
             await server.stop()
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("name", ["shm", "mooncake"])
+def test_a_staged_fetch_reply_is_released_once_read(name):
+    async def run():
+        server, client, service, address = await pair(name)
+        try:
+            blocks = payloads()
+            assert (await client.send(address, blocks, timeout_s=10)).ok
+            assert (await client.fetch(address, [k for k, _ in blocks], timeout_s=10)).ok
+            deadline = time.monotonic() + 5  # the reader's release notice frees the staged reply
+            while server.arena.largest_free_extent() < len(server.buffer):
+                assert time.monotonic() < deadline, "the staged fetch reply was never released"
+                await asyncio.sleep(0.01)
+        finally:
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())
