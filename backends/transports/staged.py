@@ -85,8 +85,9 @@ class StagedTransport(TcpTransport):
                               sums=[loc.checksum for _, loc in located])
 
     def _kept(self, blocks):
-        # Views into a buffer that is reused once this fetch is done: copied, hashed as they are copied.
-        return tuple(map(list, zip(*map(copy_checked, blocks)))) if blocks else ([], [])
+        # Views into a buffer that is reused once this transfer is done: copied, and hashed as copied.
+        copies = [copy_checked(block) for block in blocks]
+        return [copy for copy, _ in copies], [digest for _, digest in copies]
 
     def _sent(self, fields):
         self._unstage(fields["staged"])

@@ -175,8 +175,9 @@ class TcpTransport(Transport):
         yield frames
 
     def _kept(self, blocks: list) -> tuple[list, list]:
-        """Fetched blocks the caller may keep, and their checksums where already computed (None: the
-        verifier hashes it). A ZeroMQ frame is already the receiver's own."""
+        """Received blocks the receiver may keep (a fetch's results, or a put for a service that keeps
+        blocks), and their checksums where already computed (None: the verifier hashes it). A ZeroMQ
+        frame is already the receiver's own."""
         return blocks, [None] * len(blocks)
 
     # -- client side ------------------------------------------------------------------------------
