@@ -8,21 +8,9 @@ import os
 import numpy as np
 
 from backends.transports.shm import ShmTransport
+from tests.transfer.conftest import KeepingService
 
 MiB = 1 << 20
-
-
-class KeepingService:
-    keeps_blocks = True
-
-    def __init__(self):
-        self.blocks = {}
-
-    def put_block(self, key, data):
-        self.blocks.setdefault(key, data)
-
-    def get_block(self, key):
-        return self.blocks.get(key)
 
 
 def in_segment(data, transport) -> bool:

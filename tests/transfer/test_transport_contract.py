@@ -13,6 +13,7 @@ import zmq.asyncio
 
 from mooncake.registry import load_backend
 from mooncake.transfer.contract import TransferError
+from tests.transfer.conftest import KeepingService
 
 BACKENDS = ["inproc", "tcp", "shm", "mooncake"]
 
@@ -43,21 +44,6 @@ class DictService:
         return self.blocks.get(key)
 
 
-class KeepingService:
-    """A service that holds blocks as it gets them (as the decode inbox does): the transport must hand it
-    bytes that stay valid after its own buffers are reused."""
-    keeps_blocks = True
-
-    def __init__(self):
-        self.blocks = {}
-
-    def put_block(self, key, data):
-        self.blocks[key] = data
-
-    def get_block(self, key):
-        return self.blocks.get(key)
-
-
 def flip_byte_of(*target_keys):
     def tamper(key, data):
         if key not in target_keys:
@@ -68,11 +54,11 @@ def flip_byte_of(*target_keys):
     return tamper
 
 
-async def pair(name, client_tamper=None, server_tamper=None):
+async def pair(name, client_tamper=None, server_tamper=None, service=None):
     available(name)
     cls = load_backend("transports", name)
     server, client = cls(tamper=server_tamper), cls(tamper=client_tamper)
-    service = DictService()
+    service = service or DictService()
     address = await server.start(service)
     await client.start()
     return server, client, service, address
@@ -255,13 +241,8 @@ def test_request_ids_are_unique_within_a_process_and_differ_in_a_forked_child():
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_a_service_that_keeps_blocks_gets_bytes_that_outlive_the_transports_buffers(name):
-    available(name)
-
     async def run():
-        cls = load_backend("transports", name)
-        server, client, service = cls(), cls(), KeepingService()
-        address = await server.start(service)
-        await client.start()
+        server, client, service, address = await pair(name, service=KeepingService())
         try:
             first, second = payloads(), [(k + 10, os.urandom(len(d))) for k, d in payloads()]
             for batch in (first, second):  # the second reuses the sender's staging, or the receiver's
