@@ -67,3 +67,18 @@ def test_when_kept_blocks_fill_the_segment_puts_fall_back_to_the_staged_path():
             await client.stop()
             await server.stop()
     asyncio.run(run())
+
+
+def test_blocks_a_service_still_holds_stay_readable_after_its_transport_stops():
+    async def run():
+        server, client, service = ShmTransport(), ShmTransport(), KeepingService()
+        address = await server.start(service)
+        await client.start()
+        block = os.urandom(3 * MiB)
+        assert (await client.send(address, [(1, block)], timeout_s=10)).ok
+        assert in_segment(service.blocks[1], server)
+        await client.stop()
+        await server.stop()  # its segment file is gone; the mapping stays while a view of it lives
+        assert not server.path.exists()
+        assert bytes(service.blocks[1]) == block
+    asyncio.run(run())
