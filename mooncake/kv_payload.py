@@ -47,7 +47,7 @@ class KVPayload:
 
     def to_bytes(self) -> bytes:
         header = self.header()
-        return _HEADER_LEN.pack(len(header)) + header + bytes(self.data)
+        return b"".join((_HEADER_LEN.pack(len(header)), header, self.data))  # one copy of the data
 
     @classmethod
     def from_bytes(cls, buf: bytes | memoryview) -> "KVPayload":

@@ -45,7 +45,9 @@ class PagedKVCache:
 
     def export_block(self, block: int, block_hash: int, namespace: bytes, layer: int | None = None) -> KVPayload:
         view = self.kv[:, :, self._slots(block)] if layer is None else self.kv[layer, :, self._slots(block)]
-        raw = view.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        host = torch.empty(view.shape, dtype=view.dtype)  # one copy, never an alias of the live cache
+        host.copy_(view)
+        raw = memoryview(host.view(torch.uint8).numpy()).cast("B")
         return KVPayload(block_hash=block_hash, namespace=namespace, dtype=self.dtype_name,
                          shape=tuple(view.shape), layer=layer, checksum=checksum(raw), data=raw)
 
