@@ -6,6 +6,7 @@ import move whole blocks (or one layer of them) as `KVPayload`s."""
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mooncake.errors import KVPayloadError
@@ -56,8 +57,11 @@ class PagedKVCache:
         payload.verify(namespace=namespace, dtype=self.dtype_name, shape=self.block_shape(payload.layer))
         if payload.layer is not None and not 0 <= payload.layer < self.spec.num_layers:
             raise KVPayloadError(f"block {payload.block_hash:#x}: layer {payload.layer} out of range")
+        slots = self._slots(block)
+        target = self.kv[:, :, slots] if payload.layer is None else self.kv[payload.layer, :, slots]
+        if target.device.type == "cpu":  # one copy, straight from the payload's bytes into the cache
+            raw = np.frombuffer(payload.data, dtype=np.uint8)
+            np.copyto(target.view(torch.uint8).numpy(), raw.reshape(target.view(torch.uint8).shape))
+            return
         values = torch.frombuffer(bytearray(payload.data), dtype=torch.uint8).view(self.dtype).view(payload.shape)
-        if payload.layer is None:
-            self.kv[:, :, self._slots(block)] = values.to(self.kv.device)
-        else:
-            self.kv[payload.layer, :, self._slots(block)] = values.to(self.kv.device)
+        target.copy_(values.to(target.device))
