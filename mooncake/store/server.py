@@ -14,8 +14,8 @@ from mooncake.config import MooncakeConfig
 from mooncake.errors import CapacityError, MooncakeError
 from mooncake.registry import load_backend
 from mooncake.store.store import KVStore
-from mooncake.transfer.windows import WriteWindows
 from mooncake.transfer.contract import BlockLocation
+from mooncake.transfer.windows import WriteWindows
 
 log = logging.getLogger(__name__)
 
