@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from mooncake.config import CacheClientConfig  # noqa: E402
 from mooncake.registry import load_backend  # noqa: E402
+from mooncake.runtime import tune_allocator  # noqa: E402
 
 MiB = 1 << 20
 # SmolLM2-135M: 30 layers x (K, V) x 64 tokens x 3 KV heads x 64 dims x 4 bytes (float32)
@@ -308,6 +309,7 @@ def measure(args, sizes: list[int], budget: int) -> dict[int, dict[str, float]]:
 
 
 def main() -> None:
+    tune_allocator()  # every role process runs with it (mooncake/runtime.py), and so do these
     try:  # every role runs on uvloop (mooncake/runtime.py): measure on it too
         import uvloop
         uvloop.install()
