@@ -1,5 +1,6 @@
 """Service lifecycle: run one service under asyncio (uvloop when installed) until SIGINT or SIGTERM,
-then stop it within a deadline. Signal handling lives here and nowhere else."""
+then stop it within a deadline, in a process set up as every role's is (malloc thresholds, below).
+Signal handling lives here and nowhere else."""
 
 import asyncio
 import ctypes
