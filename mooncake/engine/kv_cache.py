@@ -60,8 +60,8 @@ class PagedKVCache:
         slots = self._slots(block)
         target = self.kv[:, :, slots] if payload.layer is None else self.kv[payload.layer, :, slots]
         if target.device.type == "cpu":  # one copy, straight from the payload's bytes into the cache
-            raw = np.frombuffer(payload.data, dtype=np.uint8)
-            np.copyto(target.view(torch.uint8).numpy(), raw.reshape(target.view(torch.uint8).shape))
+            cells = target.view(torch.uint8).numpy()
+            np.copyto(cells, np.frombuffer(payload.data, dtype=np.uint8).reshape(cells.shape))
             return
         values = torch.frombuffer(bytearray(payload.data), dtype=torch.uint8).view(self.dtype).view(payload.shape)
         target.copy_(values.to(target.device))
