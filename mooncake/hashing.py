@@ -1,16 +1,27 @@
-"""Chained prefix-block hashes (DESIGN section 2-4), computed once and shared by every role.
+"""Chained prefix-block hashes (DESIGN section 2-4), computed once and shared by every role, and the
+payload checksum every KV block carries.
 
 h_i = xxh3_64(h_{i-1} as u64 LE || token ids of block i as u32 LE || namespace), with a fixed seed,
 so the same prefix of the same model gives the same keys on every node. Only full blocks are hashed.
+
+The checksum of a large block is a sum of chunk sums, so that this process's one checksum worker thread
+and the calling thread share it.
 """
 
-from collections.abc import Sequence
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 import xxhash
 
 HASH_SEED = 0x4D4F4F4E  # "MOON": fixed, never per process, so hashes agree across nodes.
 ROOT_HASH = 0
+CHECKSUM_CHUNK_BYTES = 512 << 10  # part of the checksum's definition: changing it changes every checksum
+PARALLEL_MIN_BYTES = 2 << 20
+T = TypeVar("T")
 
 
 def make_namespace(model_id: str, block_size: int) -> bytes:
@@ -39,11 +50,67 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, namespace: bytes,
 
 
 def checksum(data) -> int:
-    """Payload checksum (xxh3-64 of the raw bytes); any buffer-protocol object works."""
-    return xxhash.xxh3_64_intdigest(data)
+    """Payload checksum of any contiguous buffer. Up to CHECKSUM_CHUNK_BYTES: xxh3-64 of the raw bytes.
+    Above: xxh3-64 of the xxh3-64 digests of its CHECKSUM_CHUNK_BYTES chunks (u64 LE, in order), a
+    two-level sum, so that a large block is hashed on two threads (from PARALLEL_MIN_BYTES up) and can be
+    hashed chunk by chunk while it is copied (mooncake/transfer/passes.py)."""
+    view = byte_view(data)
+    if len(view) <= CHECKSUM_CHUNK_BYTES:
+        return xxhash.xxh3_64_intdigest(view)
+    return combine_digests(by_chunks(len(view), lambda start, stop: xxhash.xxh3_64_intdigest(view[start:stop])))
 
 
-def checksum_stream():
-    """An incremental form of `checksum`: `.update(chunk)` in order, then `.intdigest()` equals
-    `checksum` of the whole."""
-    return xxhash.xxh3_64()
+def combine_digests(digests: list[int]) -> int:
+    """The checksum of a block larger than one chunk, from its chunks' digests in order."""
+    return xxhash.xxh3_64_intdigest(np.asarray(digests, dtype="<u8").tobytes())
+
+
+def byte_view(data) -> memoryview:
+    view = memoryview(data)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+def by_chunks(size: int, work: Callable[[int, int], T]) -> list[T]:
+    """`work(start, stop)` over each CHECKSUM_CHUNK_BYTES chunk of `size` bytes; the results in chunk order.
+    From PARALLEL_MIN_BYTES up the worker thread takes every other chunk while the calling thread does the
+    rest (numpy copies and xxhash release the GIL); below it, handing work to a thread costs more than it
+    saves. `work` must not itself call `by_chunks`."""
+    starts = range(0, size, CHECKSUM_CHUNK_BYTES)
+
+    def run(part: range) -> list[T]:
+        return [work(start, min(start + CHECKSUM_CHUNK_BYTES, size)) for start in part]
+
+    if size < PARALLEL_MIN_BYTES or threading.get_ident() == _worker_ident:
+        return run(starts)
+    evens = _pool().submit(run, starts[0::2])
+    try:
+        odds = run(starts[1::2])
+    finally:
+        done = evens.result()  # waited for even if this thread failed: `work` may still be writing
+    results = [None] * len(starts)
+    results[0::2], results[1::2] = done, odds
+    return results
+
+
+_worker: ThreadPoolExecutor | None = None
+_worker_ident: int | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _worker
+    if _worker is None:
+        _worker = ThreadPoolExecutor(1, thread_name_prefix="mooncake-checksum", initializer=_mark_worker)
+    return _worker
+
+
+def _mark_worker() -> None:
+    global _worker_ident
+    _worker_ident = threading.get_ident()
+
+
+def _forget_pool() -> None:
+    global _worker, _worker_ident
+    _worker, _worker_ident = None, None  # a forked child has no threads: it starts its own when it needs one
+
+
+os.register_at_fork(after_in_child=_forget_pool)

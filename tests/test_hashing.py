@@ -1,4 +1,12 @@
-from mooncake.hashing import checksum, hash_block, hash_blocks, make_namespace
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import xxhash
+
+from mooncake.hashing import (CHECKSUM_CHUNK_BYTES, PARALLEL_MIN_BYTES, checksum, hash_block, hash_blocks,
+                              make_namespace)
 
 NS = make_namespace("model-a", 4)
 
@@ -26,3 +34,42 @@ def test_hash_is_stable_across_processes_and_versions():
     # Fixed seed, u32 little-endian ids: nodes must agree on keys, so this value must never drift.
     assert hash_blocks([1, 2, 3, 4], 4, NS) == [0xED8309490389CD0E]
     assert checksum(b"mooncake") == checksum(bytearray(b"mooncake"))
+
+
+def _two_level(data: bytes) -> int:
+    """The checksum's definition, written out plainly: the reference the fast paths must match."""
+    if len(data) <= CHECKSUM_CHUNK_BYTES:
+        return xxhash.xxh3_64_intdigest(data)
+    digests = [xxhash.xxh3_64_intdigest(data[i:i + CHECKSUM_CHUNK_BYTES])
+               for i in range(0, len(data), CHECKSUM_CHUNK_BYTES)]
+    return xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in digests))
+
+
+@pytest.mark.parametrize("size", [0, 7, CHECKSUM_CHUNK_BYTES, CHECKSUM_CHUNK_BYTES + 1, PARALLEL_MIN_BYTES - 1,
+                                  PARALLEL_MIN_BYTES, 5 * CHECKSUM_CHUNK_BYTES + 3, 8 * PARALLEL_MIN_BYTES + 1])
+def test_checksum_is_the_two_level_sum_on_one_thread_or_two(size):
+    data = os.urandom(size)
+    assert checksum(data) == checksum(np.frombuffer(data, dtype=np.uint8)) == _two_level(data)
+
+
+def test_checksum_definition_is_pinned():
+    # Blocks on SSD carry their checksum: a change here makes every stored block unreadable.
+    data = bytes(range(256)) * (3 * CHECKSUM_CHUNK_BYTES // 256 + 1)
+    assert checksum(data[:1000]) == 0xD33DD80B46F60E50
+    assert checksum(data) == 0xB6ECFC3A849E53A3
+
+
+def test_a_flipped_byte_in_any_chunk_changes_the_checksum():
+    data = bytearray(os.urandom(PARALLEL_MIN_BYTES + CHECKSUM_CHUNK_BYTES))
+    clean = checksum(data)
+    for position in range(0, len(data), CHECKSUM_CHUNK_BYTES // 2):  # chunks hashed by either thread
+        data[position] ^= 0x01
+        assert checksum(data) != clean
+        data[position] ^= 0x01
+    assert checksum(data) == clean
+
+
+def test_threads_share_the_checksum_worker():
+    blocks = [os.urandom(PARALLEL_MIN_BYTES + i) for i in range(8)]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(checksum, blocks * 3)) == [_two_level(b) for b in blocks * 3]

@@ -12,7 +12,7 @@ from mooncake.store.tier import StorageTier
 
 log = logging.getLogger(__name__)
 MAGIC = b"MCKV"
-VERSION = 1
+VERSION = 2  # 2: the two-level checksum (mooncake/hashing.py); older files are dropped on start
 HEADER = struct.Struct("<4sHQQQ")  # magic, version, key, data length, checksum of the data
 SUFFIX = ".blk"
 
@@ -55,7 +55,7 @@ class SsdTier(StorageTier):
             self._sizes[key] = size
             self._used += size
         if self._sizes or self.num_dropped_on_start:
-            log.info("ssd tier %s: %d blocks (%d bytes) recovered, %d partial or corrupt files dropped",
+            log.info("ssd tier %s: %d blocks (%d bytes) recovered, %d partial, corrupt or older-format files dropped",
                      self.directory, len(self._sizes), self._used, self.num_dropped_on_start)
 
     def put(self, key, data) -> bool:

@@ -4,9 +4,12 @@ import os
 import random
 
 import pytest
+import xxhash
 
+from backends.storage import ssd
 from backends.storage.dram import DramTier
 from backends.storage.ssd import SsdTier
+from mooncake.hashing import CHECKSUM_CHUNK_BYTES
 
 
 @pytest.fixture(params=["dram", "ssd"])
@@ -82,3 +85,15 @@ def test_ssd_restart_recovers_whole_blocks_and_drops_the_rest(tmp_path):
     assert bytes(again.get(3)) == blob(3, 3000)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f.name for f in (files[0], files[3]))
     assert again.used_bytes == 6000 and os.listdir(tmp_path)
+
+
+def test_ssd_drops_blocks_written_with_the_older_checksum(tmp_path):
+    # Version 1 files summed a large block as one xxh3 digest; the checksum is now two-level above one chunk.
+    data = blob(5, 3 * CHECKSUM_CHUNK_BYTES)
+    header = ssd.HEADER.pack(ssd.MAGIC, 1, 5, len(data), xxhash.xxh3_64_intdigest(data))
+    (tmp_path / f"{5:016x}{ssd.SUFFIX}").write_bytes(header + data)
+    tier = SsdTier(tmp_path, 8 << 20)
+    assert list(tier.keys()) == [] and tier.num_dropped_on_start == 1
+    tier.put(6, data)
+    again = SsdTier(tmp_path, 8 << 20)  # what this version writes, it reads back
+    assert list(again.keys()) == [6] and bytes(again.get(6)) == data

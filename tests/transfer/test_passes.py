@@ -1,5 +1,5 @@
-"""Copy-and-checksum in one step (mooncake/transfer/passes.py), below and above the size where the
-checksum moves to a worker thread."""
+"""Copy-and-checksum in one pass (mooncake/transfer/passes.py), below and above one checksum chunk and
+the size where half the chunks move to the worker thread."""
 
 import os
 import select
@@ -8,11 +8,11 @@ import signal
 import numpy as np
 import pytest
 
-from mooncake.hashing import checksum
+from mooncake.hashing import CHECKSUM_CHUNK_BYTES, PARALLEL_MIN_BYTES, checksum
 from mooncake.transfer import passes
 
-SIZES = [0, 1, 4096, passes.PARALLEL_MIN_BYTES - 1, passes.PARALLEL_MIN_BYTES,
-         3 * passes.CHUNK_BYTES + passes.PARALLEL_MIN_BYTES + 7]
+SIZES = [0, 1, 4096, CHECKSUM_CHUNK_BYTES, CHECKSUM_CHUNK_BYTES + 1, PARALLEL_MIN_BYTES - 1, PARALLEL_MIN_BYTES,
+         3 * CHECKSUM_CHUNK_BYTES + PARALLEL_MIN_BYTES + 7]
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -34,7 +34,7 @@ def test_copy_checked_returns_a_private_copy_and_the_checksum_of_that_copy(size)
 
 
 def test_a_forked_child_gets_its_own_worker():
-    big = os.urandom(passes.PARALLEL_MIN_BYTES)
+    big = os.urandom(PARALLEL_MIN_BYTES)
     passes.copy_checked(big)  # the parent's worker thread exists now
     read, write = os.pipe()
     pid = os.fork()
