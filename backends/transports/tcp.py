@@ -301,8 +301,9 @@ def _expire(future: asyncio.Future) -> None:
 
 
 def _request_id_of(frames) -> str:
-    """The request id of a message we could not handle, if its header at least parses."""
+    """The request id of a message we could not handle, if its header at least parses (of any version)."""
     try:
-        return str(unpack_header(frames[0].buffer).get("id", ""))
+        header = msgpack.unpackb(bytes(frames[0].buffer))
     except (ValueError, IndexError, TypeError, msgpack.UnpackException):
         return ""
+    return str(header.get("id", "")) if isinstance(header, dict) else ""

@@ -11,7 +11,7 @@ import msgpack
 from mooncake.hashing import checksum
 from mooncake.transfer.contract import BlockResult
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: checksums are two-level above one chunk (mooncake/hashing.py)
 Tamper = Callable[[int, bytes], bytes] | None
 
 
@@ -21,7 +21,10 @@ def pack_header(op: str, request_id: str, **fields) -> bytes:
 
 def unpack_header(frame) -> dict:
     header = msgpack.unpackb(bytes(frame))
-    if not isinstance(header, dict) or header.get("v") != WIRE_VERSION or "op" not in header:
+    if isinstance(header, dict) and "op" in header and header.get("v") != WIRE_VERSION:
+        raise ValueError(f"peer speaks wire version {header.get('v')!r}; this build speaks {WIRE_VERSION} "
+                         f"(run one mooncake version on every node)")
+    if not isinstance(header, dict) or "op" not in header:
         raise ValueError(f"unsupported or malformed header: {header!r:.80}")
     return header
 

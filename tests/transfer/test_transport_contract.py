@@ -13,6 +13,7 @@ import zmq.asyncio
 
 from mooncake.registry import load_backend
 from mooncake.transfer.contract import TransferError
+from mooncake.transfer.framing import WIRE_VERSION
 from tests.transfer.conftest import KeepingService
 
 BACKENDS = ["inproc", "tcp", "shm", "mooncake"]
@@ -151,6 +152,23 @@ def test_tcp_malformed_message_gets_an_error_reply_and_serving_goes_on():
             await server.stop()
     asyncio.run(run())
 
+
+def test_a_peer_of_another_wire_version_gets_an_error_naming_both_versions():
+    async def run():
+        server, client, service, address = await pair("tcp")
+        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        raw.connect(address)
+        try:  # a version-1 peer: its checksums of large blocks would never match ours
+            await raw.send_multipart([msgpack.packb({"v": 1, "op": "put", "id": "old-1", "keys": [7], "sums": [0],
+                                                     "sizes": [1]}), b"x"])
+            reply = msgpack.unpackb(await asyncio.wait_for(raw.recv(), 5))
+            assert reply["op"] == "error" and reply["id"] == "old-1"
+            assert f"wire version 1; this build speaks {WIRE_VERSION}" in reply["error"] and 7 not in service.blocks
+        finally:
+            raw.close(linger=0)
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())
 
 def test_unknown_transport_is_a_clear_error():
     from mooncake.errors import BackendError
