@@ -70,17 +70,17 @@ def byte_view(data) -> memoryview:
     return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
-def by_chunks(size: int, work: Callable[[int, int], T], parallel_from: int = PARALLEL_MIN_BYTES) -> list[T]:
+def by_chunks(size: int, work: Callable[[int, int], T]) -> list[T]:
     """`work(start, stop)` over each CHECKSUM_CHUNK_BYTES chunk of `size` bytes; the results in chunk order.
-    From `parallel_from` bytes up the worker thread takes every other chunk while the calling thread does
-    the rest (numpy copies and xxhash release the GIL); below it, handing work to a thread costs more than
-    it saves (for hashing alone, below 2 MiB). `work` must not itself call `by_chunks`."""
+    From PARALLEL_MIN_BYTES up the worker thread takes every other chunk while the calling thread does the
+    rest (numpy copies and xxhash release the GIL); below it, handing work to a thread costs more than it
+    saves. `work` must not itself call `by_chunks`."""
     starts = range(0, size, CHECKSUM_CHUNK_BYTES)
 
     def run(part: range) -> list[T]:
         return [work(start, min(start + CHECKSUM_CHUNK_BYTES, size)) for start in part]
 
-    if size < parallel_from or threading.get_ident() == _worker_ident:
+    if size < PARALLEL_MIN_BYTES or threading.get_ident() == _worker_ident:
         return run(starts)
     evens = _pool().submit(run, starts[0::2])
     try:

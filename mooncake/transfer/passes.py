@@ -1,6 +1,6 @@
 """A block's copy and its checksum in one pass: chunk by chunk, each chunk hashed right after it is
-copied, while it is still in the core's cache, and from PARALLEL_COPY_MIN_BYTES up the checksum worker
-thread copies and hashes every other chunk (mooncake/hashing.py). A transfer so pays about one pass over the
+copied, while it is still in the core's cache, and from PARALLEL_MIN_BYTES up the checksum worker thread
+copies and hashes every other chunk (mooncake/hashing.py). A transfer so pays about one pass over the
 block, on two cores, instead of a copy and then a read.
 
 Used by the transports that copy: the sender's copy into shared memory (`copy_summed`), and the
@@ -10,8 +10,6 @@ import numpy as np
 import xxhash
 
 from mooncake.hashing import CHECKSUM_CHUNK_BYTES, by_chunks, checksum, combine_digests
-
-PARALLEL_COPY_MIN_BYTES = 1 << 20  # a copy pays for the handoff at half the size a bare checksum does
 
 
 def _copy_hashing(dst: np.ndarray, source: np.ndarray, hashed: np.ndarray) -> int:
@@ -25,7 +23,7 @@ def _copy_hashing(dst: np.ndarray, source: np.ndarray, hashed: np.ndarray) -> in
         np.copyto(dst[start:stop], source[start:stop])
         return xxhash.xxh3_64_intdigest(hashed[start:stop])
 
-    return combine_digests(by_chunks(len(source), chunk, PARALLEL_COPY_MIN_BYTES))
+    return combine_digests(by_chunks(len(source), chunk))
 
 
 def copy_summed(dst: np.ndarray, src) -> int:
