@@ -46,7 +46,7 @@ def _two_level(data: bytes) -> int:
 
 
 @pytest.mark.parametrize("size", [0, 7, CHECKSUM_CHUNK_BYTES, CHECKSUM_CHUNK_BYTES + 1, PARALLEL_MIN_BYTES - 1,
-                                  PARALLEL_MIN_BYTES, 5 * CHECKSUM_CHUNK_BYTES + 3, 8 * PARALLEL_MIN_BYTES + 1])
+                                  PARALLEL_MIN_BYTES, 5 * CHECKSUM_CHUNK_BYTES + 3, 2 * PARALLEL_MIN_BYTES + 1])
 def test_checksum_is_the_two_level_sum_on_one_thread_or_two(size):
     data = os.urandom(size)
     assert checksum(data) == checksum(np.frombuffer(data, dtype=np.uint8)) == _two_level(data)
@@ -70,6 +70,6 @@ def test_a_flipped_byte_in_any_chunk_changes_the_checksum():
 
 
 def test_threads_share_the_checksum_worker():
-    blocks = [os.urandom(PARALLEL_MIN_BYTES + i) for i in range(8)]
+    blocks = [os.urandom(PARALLEL_MIN_BYTES + i) for i in range(4)]
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(checksum, blocks * 3)) == [_two_level(b) for b in blocks * 3]

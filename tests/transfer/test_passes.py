@@ -8,11 +8,12 @@ import signal
 import numpy as np
 import pytest
 
-from mooncake.hashing import CHECKSUM_CHUNK_BYTES, PARALLEL_MIN_BYTES, checksum
+from mooncake.hashing import CHECKSUM_CHUNK_BYTES, checksum
 from mooncake.transfer import passes
 
-SIZES = [0, 1, 4096, CHECKSUM_CHUNK_BYTES, CHECKSUM_CHUNK_BYTES + 1, PARALLEL_MIN_BYTES - 1, PARALLEL_MIN_BYTES,
-         3 * CHECKSUM_CHUNK_BYTES + PARALLEL_MIN_BYTES + 7]
+PARALLEL = passes.PARALLEL_COPY_MIN_BYTES
+SIZES = [0, 1, 4096, CHECKSUM_CHUNK_BYTES, CHECKSUM_CHUNK_BYTES + 1, PARALLEL - 1, PARALLEL,
+         3 * CHECKSUM_CHUNK_BYTES + PARALLEL + 7]
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -34,7 +35,7 @@ def test_copy_checked_returns_a_private_copy_and_the_checksum_of_that_copy(size)
 
 
 def test_a_forked_child_gets_its_own_worker():
-    big = os.urandom(PARALLEL_MIN_BYTES)
+    big = os.urandom(PARALLEL)
     passes.copy_checked(big)  # the parent's worker thread exists now
     read, write = os.pipe()
     pid = os.fork()
