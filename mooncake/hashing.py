@@ -9,6 +9,7 @@ and the calling thread share it.
 """
 
 import os
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,14 +56,20 @@ def checksum(data) -> int:
     two-level sum, so that a large block is hashed on two threads (from PARALLEL_MIN_BYTES up) and can be
     hashed chunk by chunk while it is copied, on two threads from 2 MiB (mooncake/transfer/passes.py)."""
     view = byte_view(data)
-    if len(view) <= CHECKSUM_CHUNK_BYTES:
+    size = len(view)
+    if size <= CHECKSUM_CHUNK_BYTES:
         return xxhash.xxh3_64_intdigest(view)
-    return combine_digests(by_chunks(len(view), lambda start, stop: xxhash.xxh3_64_intdigest(view[start:stop])))
+    if size < PARALLEL_MIN_BYTES or threading.get_ident() == _worker_ident:  # the common case, kept lean
+        return combine_digests([_xxh3(view[i:i + CHECKSUM_CHUNK_BYTES]) for i in range(0, size, CHECKSUM_CHUNK_BYTES)])
+    return combine_digests(by_chunks(size, lambda start, stop: _xxh3(view[start:stop])))
+
+
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
 def combine_digests(digests: list[int]) -> int:
     """The checksum of a block larger than one chunk, from its chunks' digests in order."""
-    return xxhash.xxh3_64_intdigest(np.asarray(digests, dtype="<u8").tobytes())
+    return _xxh3(struct.pack(f"<{len(digests)}Q", *digests))
 
 
 def byte_view(data) -> memoryview:
