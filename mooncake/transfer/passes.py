@@ -36,10 +36,10 @@ def copy_checked(src) -> tuple[memoryview, int]:
     """A private copy of `src` and the checksum of that copy, not of `src`: the source may lie in memory
     another process can still write, so what is verified must be exactly what is returned."""
     source = np.frombuffer(src, dtype=np.uint8)
-    copy = np.empty_like(source)
-    if len(source) <= CHECKSUM_CHUNK_BYTES:
-        np.copyto(copy, source)
+    if len(source) < PARALLEL_COPY_MIN_BYTES:  # one thread: one copy, then one hash (55 us at 1 MiB, 68 chunked)
+        copy = source.tobytes()
         return memoryview(copy), checksum(copy)
+    copy = np.empty_like(source)
 
     def chunk(start: int, stop: int) -> int:
         np.copyto(copy[start:stop], source[start:stop])
