@@ -23,6 +23,7 @@ ROOT_HASH = 0
 CHECKSUM_CHUNK_BYTES = 512 << 10  # part of the checksum's definition: changing it changes every checksum
 PARALLEL_MIN_BYTES = 8 << 20  # a bare checksum; below it, waking the worker costs what it saves
 T = TypeVar("T")
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
 def make_namespace(model_id: str, block_size: int) -> bytes:
@@ -58,13 +59,11 @@ def checksum(data) -> int:
     view = byte_view(data)
     size = len(view)
     if size <= CHECKSUM_CHUNK_BYTES:
-        return xxhash.xxh3_64_intdigest(view)
+        return _xxh3(view)
     if size < PARALLEL_MIN_BYTES or threading.get_ident() == _worker_ident:  # the common case, kept lean
-        return combine_digests([_xxh3(view[i:i + CHECKSUM_CHUNK_BYTES]) for i in range(0, size, CHECKSUM_CHUNK_BYTES)])
+        chunk = CHECKSUM_CHUNK_BYTES
+        return combine_digests([_xxh3(view[i:i + chunk]) for i in range(0, size, chunk)])
     return combine_digests(by_chunks(size, lambda start, stop: _xxh3(view[start:stop])))
-
-
-_xxh3 = xxhash.xxh3_64_intdigest
 
 
 def combine_digests(digests: list[int]) -> int:
