@@ -135,19 +135,26 @@ def test_dead_peer_is_a_clear_error_within_the_deadline(name):
     asyncio.run(run())
 
 
+async def raw_reply(address: str, frames: list[bytes]) -> dict:
+    """Send `frames` from a bare DEALER socket, as a foreign peer would, and decode the reply header."""
+    raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    raw.connect(address)
+    try:
+        await raw.send_multipart(frames)
+        return msgpack.unpackb(await asyncio.wait_for(raw.recv(), 5))
+    finally:
+        raw.close(linger=0)
+
+
 def test_tcp_malformed_message_gets_an_error_reply_and_serving_goes_on():
     async def run():
         server, client, service, address = await pair("tcp")
-        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        raw.connect(address)
         try:
-            await raw.send_multipart([b"\x93garbage"])
-            reply = msgpack.unpackb(await asyncio.wait_for(raw.recv(), 5))
+            reply = await raw_reply(address, [b"\x93garbage"])
             assert reply["op"] == "error" and "malformed" in reply["error"]
             sent = await client.send(address, [(5, b"still serving")], timeout_s=5)
             assert sent.ok and service.blocks[5] == b"still serving"
         finally:
-            raw.close(linger=0)
             await client.stop()
             await server.stop()
     asyncio.run(run())
@@ -156,19 +163,16 @@ def test_tcp_malformed_message_gets_an_error_reply_and_serving_goes_on():
 def test_a_peer_of_another_wire_version_gets_an_error_naming_both_versions():
     async def run():
         server, client, service, address = await pair("tcp")
-        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        raw.connect(address)
         try:  # a version-1 peer: its checksums of large blocks would never match ours
-            await raw.send_multipart([msgpack.packb({"v": 1, "op": "put", "id": "old-1", "keys": [7], "sums": [0],
-                                                     "sizes": [1]}), b"x"])
-            reply = msgpack.unpackb(await asyncio.wait_for(raw.recv(), 5))
+            old_put = msgpack.packb({"v": 1, "op": "put", "id": "old-1", "keys": [7], "sums": [0], "sizes": [1]})
+            reply = await raw_reply(address, [old_put, b"x"])
             assert reply["op"] == "error" and reply["id"] == "old-1"
             assert f"wire version 1; this build speaks {WIRE_VERSION}" in reply["error"] and 7 not in service.blocks
         finally:
-            raw.close(linger=0)
             await client.stop()
             await server.stop()
     asyncio.run(run())
+
 
 def test_unknown_transport_is_a_clear_error():
     from mooncake.errors import BackendError
