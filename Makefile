@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What is the capital of France?
+PORT   ?= 8000
 
 .PHONY: setup run test bench clean mooncake-te
 
@@ -19,7 +20,7 @@ setup: $(VENV)/.installed
 
 run: setup
 	$(BIN)/mooncake model fetch
-	$(BIN)/mooncake dev --ask "$(PROMPT)"
+	$(BIN)/mooncake dev --port $(PORT) --ask "$(PROMPT)"
 
 test: setup mooncake-te
 	$(BIN)/python -m pytest
@@ -34,7 +35,21 @@ clean:
 # `mooncake`, so it is unpacked into its own directory instead of site-packages (see
 # backends/transports/mooncake_te.py). Needs the Debian packages libibverbs1 and ibverbs-providers.
 MOONCAKE_TE := mooncake-transfer-engine-non-cuda==0.3.13.post1
+# The engine's library needs libibverbs.so.1: as root with apt-get, `make` installs the two packages;
+# elsewhere (or with DEB_INSTALL=no) the `mooncake` transport's tests are skipped, naming the install line.
+DEB_PACKAGES := libibverbs1 ibverbs-providers
+DEB_INSTALL  ?= auto
 $(VENV)/mooncake-te/.installed: $(VENV)/.installed
+	@if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then \
+	  if [ "$(DEB_INSTALL)" != no ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing $(DEB_PACKAGES) for Mooncake's Transfer Engine"; \
+	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(DEB_PACKAGES)) >/dev/null \
+	      || echo "note: apt-get could not install $(DEB_PACKAGES); the mooncake transport's tests will be skipped"; \
+	  else \
+	    echo "note: libibverbs.so.1 is missing, so the mooncake transport's tests will be skipped;" \
+	         "to run them: sudo apt-get install $(DEB_PACKAGES)"; \
+	  fi; \
+	fi
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --target $(VENV)/mooncake-te '$(MOONCAKE_TE)'
 	touch $@
 

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -42,6 +43,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise a clear error when something already listens on host:port (another mooncake, say), instead
+    of starting a cluster whose API cannot bind while a stranger answers its requests."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            pass
+    except OSError:
+        return
+    raise MooncakeError(f"port {port} on {host} is already in use by another program; stop it, or pick "
+                        f"another port with --port (make run PORT=...)")
+
+
 @dataclass
 class Process:
     name: str  # "conductor", "prefill-0", "decode-1", "cache-0"
@@ -61,6 +74,9 @@ class DevCluster:
                  workdir: Path | None = None, log_to_files: bool = False):
         if num_prefill < 1 or num_decode < 1 or num_cache < 0:
             raise MooncakeError("a cluster needs at least one prefill and one decode instance")
+        if config.api.port:
+            check_port_free(config.api.host, config.api.port)
+        self.is_own_workdir = workdir is None  # a temp directory of ours: removed on stop
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="mooncake-dev-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_to_files = log_to_files
@@ -167,6 +183,8 @@ class DevCluster:
                 log.warning("%s (pid %d) did not stop within %g s; killing it", proc.name, proc.pid, STOP_TIMEOUT_S)
                 proc.popen.kill()
                 proc.popen.wait()
+        if self.is_own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self):
         self.start()

@@ -46,8 +46,10 @@ def load_wheel_module(name: str):
         package.__path__ = [str(directory)]
         sys.modules[_MODULE] = package
     spec = importlib.util.spec_from_file_location(qualified, library)
-    module = importlib.util.module_from_spec(spec)
     try:
+        # NOTE: module_from_spec is what dlopens an extension module, so a missing libibverbs.so.1
+        # surfaces here, not in exec_module.
+        module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except ImportError as exc:
         raise BackendError(f"transport 'mooncake': cannot load {library} ({exc}): {INSTALL_HINT}") from None

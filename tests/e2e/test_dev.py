@@ -35,3 +35,27 @@ def test_mooncake_dev_answers_paris_and_stops_cleanly_on_sigterm(real_dir, tmp_p
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     assert {p.name for p in tmp_path.glob("*.toml")} == {"cache-0.toml", "conductor.toml", "prefill-0.toml",
                                                          "decode-0.toml"}
+
+
+def test_mooncake_dev_exits_with_a_clear_error_when_its_port_is_taken(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "mooncake", "dev", "--model", "tiny-llama", "--port",
+                               str(port)], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert f"port {port}" in done.stderr and "already in use" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_dev_cluster_removes_the_work_directory_it_made_and_keeps_one_it_was_given(tmp_path):
+    from mooncake.config import load_config
+    from mooncake.dev import DevCluster
+    config = load_config(None, {"engine.model": "tiny-llama", "api.port": 0})
+    own = DevCluster(config)
+    assert own.workdir.is_dir()
+    own.stop()
+    assert not own.workdir.exists()
+    given = DevCluster(config, workdir=tmp_path / "w")
+    given.stop()
+    assert (tmp_path / "w" / "conductor.toml").exists()
