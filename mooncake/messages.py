@@ -1,14 +1,15 @@
 """Every control message mooncake sends over ZeroMQ, typed and versioned, with one msgpack codec.
 
-A message is a frozen dataclass registered under a tag; on the wire it is a msgpack map
-{"t": tag, "v": version, **fields}. Decoding checks tag, version and fields and raises MessageError,
-so a malformed message is answered with an ErrorReply, never parsed by position. Two groups: the
-cache role's control messages, and those between the conductor and its prefill and decode instances."""
+A message is a frozen msgspec Struct tagged with its type; on the wire it is a msgpack map
+{"t": tag, "v": version, **fields}. Decoding checks the tag, the version, the field names and every
+field's type (a frame from the network is untrusted until it is decoded), and raises MessageError, so a
+malformed or ill-typed message is answered with an ErrorReply and never reaches a handler. Two groups:
+the cache role's control messages, and those between the conductor and its prefill and decode
+instances."""
 
-import dataclasses
-from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
 
-import msgpack
+import msgspec
 
 from mooncake.errors import MooncakeError
 
@@ -20,115 +21,94 @@ class MessageError(MooncakeError):
     """A frame that is not a well-formed message of this version."""
 
 
-def message(tag: str):
-    def register(cls):
-        cls = dataclass(frozen=True)(cls)
-        cls.TAG = tag
-        _TYPES[tag] = cls
-        return cls
-    return register
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", forbid_unknown_fields=True):
+    """Base of every message; `TAG` is its type's name on the wire."""
+
+    TAG: ClassVar[str]  # set for every message type at the end of this module
+    v: int = VERSION
 
 
-def encode(msg) -> bytes:
-    # Fields are plain values (numbers, strings, lists, dicts), so the instance's own dict is the map:
-    # dataclasses.asdict would deep-copy every list first (57 ms for 10k store events, against 1.6 ms).
-    return msgpack.packb({"t": msg.TAG, "v": VERSION, **vars(msg)})
+_encoder = msgspec.msgpack.Encoder()
 
 
-def decode(frame) -> object:
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(frame) -> Message:
     try:
-        data = msgpack.unpackb(bytes(frame))
-    except (ValueError, msgpack.UnpackException) as exc:
+        msg = _decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        raise MessageError(f"invalid message: {exc}") from None
+    except msgspec.DecodeError as exc:
         raise MessageError(f"not msgpack: {exc}") from None
-    if not isinstance(data, dict):
-        raise MessageError("a message must be a map")
-    tag, version = data.pop("t", None), data.pop("v", None)
-    cls = _TYPES.get(tag)
-    if cls is None:
-        raise MessageError(f"unknown message type {tag!r}")
-    if version != VERSION:
-        raise MessageError(f"message {tag!r} has version {version!r}; this build speaks {VERSION}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    if set(data) - names:
-        raise MessageError(f"message {tag!r} has unknown fields {sorted(set(data) - names)}")
-    try:
-        return cls(**data)
-    except TypeError as exc:
-        raise MessageError(f"message {tag!r}: {exc}") from None
+    if msg.v != VERSION:
+        raise MessageError(f"message {msg.TAG!r} has version {msg.v!r}; this build speaks {VERSION}")
+    return msg
 
 
 # -- cache role (control socket; block bytes go over a transport) --------------------------------------
 
-@message("hello")
-class Hello:
+class Hello(Message, tag="hello"):
     """Client -> cache node: who are you, and where do I send blocks?"""
 
 
-@message("hello_reply")
-class HelloReply:
+class HelloReply(Message, tag="hello_reply"):
     node_id: str
     transport: str
     data_address: str
     events_address: str
 
 
-@message("exists")
-class Exists:
+class Exists(Message, tag="exists"):
     keys: list[int]
 
 
-@message("exists_reply")
-class ExistsReply:
-    tiers: list  # per key: "dram", "ssd" or None
+class ExistsReply(Message, tag="exists_reply"):
+    tiers: list[str | None]  # per key: "dram", "ssd" or None
 
 
-@message("match_prefix")
-class MatchPrefix:
+class MatchPrefix(Message, tag="match_prefix"):
     keys: list[int]
 
 
-@message("match_prefix_reply")
-class MatchPrefixReply:
+class MatchPrefixReply(Message, tag="match_prefix_reply"):
     tiers: list[str]  # tiers of the leading run held
 
 
-@message("remove")
-class Remove:
+class Remove(Message, tag="remove"):
     keys: list[int]
 
 
-@message("remove_reply")
-class RemoveReply:
+class RemoveReply(Message, tag="remove_reply"):
     removed: list[bool]
 
 
-@message("stats")
-class Stats:
+class Stats(Message, tag="stats"):
     pass
 
 
-@message("stats_reply")
-class StatsReply:
-    stats: dict = field(default_factory=dict)
+class StatsReply(Message, tag="stats_reply"):
+    stats: dict[str, Any] = {}  # counters by name, possibly nested; shown in the conductor's /metrics
 
 
-@message("store_events")
-class StoreEvents:
+class StoreEvents(Message, tag="store_events"):
     """Published in batches by a cache node: (kind, key, tier) with kind "add" or "evict"."""
 
     node_id: str
-    events: list = field(default_factory=list)
+    events: list[tuple[str, int, str | None]] = []
 
 
-@message("error")
-class ErrorReply:
+class ErrorReply(Message, tag="error"):
     error: str
 
 
 # -- conductor <-> instances (one DEALER per instance to the conductor's ROUTER) -----------------------
 
-@message("register")
-class Register:
+# The sampling fields instances need, by name; values are checked again when SamplingParams is built.
+Sampling = dict[str, int | float | bool | None | list[int]]
+
+class Register(Message, tag="register"):
     """Instance -> conductor, on start: who it is, what it runs, where peers send it KV."""
 
     instance_id: str
@@ -140,22 +120,19 @@ class Register:
     num_kv_blocks: int = 0
 
 
-@message("register_reply")
-class RegisterReply:
+class RegisterReply(Message, tag="register_reply"):
     accepted: bool
     error: str = ""
     heartbeat_interval_s: float = 0.5
 
 
-@message("leave")
-class Leave:
+class Leave(Message, tag="leave"):
     """Instance -> conductor, on a clean stop: take no more work here; fail what is in flight."""
 
     instance_id: str
 
 
-@message("heartbeat")
-class Heartbeat:
+class Heartbeat(Message, tag="heartbeat"):
     """Instance -> conductor, every heartbeat interval: its load and what it measured since the last."""
 
     instance_id: str
@@ -163,19 +140,18 @@ class Heartbeat:
     num_running: int = 0
     num_kv_blocks_used: int = 0  # blocks some request holds (not merely cached)
     num_kv_blocks: int = 0
-    step_samples: list = field(default_factory=list)  # decode: [batch, context tokens, seconds] per step
-    cached_blocks: list = field(default_factory=list)  # prefill: hashes newly in its local prefix cache
-    evicted_blocks: list = field(default_factory=list)
+    step_samples: list[tuple[int, int, float]] = []  # decode: [batch, context tokens, seconds] per step
+    cached_blocks: list[int] = []  # prefill: hashes newly in its local prefix cache
+    evicted_blocks: list[int] = []
 
 
-@message("prefill")
-class Prefill:
+class Prefill(Message, tag="prefill"):
     """Conductor -> prefill: compute this prompt's KV, emit the first token, push the KV to decode."""
 
     request_id: str
     token_ids: list[int]
     block_hashes: list[int]
-    sampling: dict  # SamplingParams fields, without stop strings (the conductor matches those)
+    sampling: Sampling  # without stop strings (the conductor matches those)
     decode_id: str
     decode_transport: str
     decode_address: str
@@ -183,8 +159,7 @@ class Prefill:
     deadline_s: float = 60.0  # seconds from receipt to finish prefill and hand off
 
 
-@message("prefill_done")
-class PrefillDone:
+class PrefillDone(Message, tag="prefill_done"):
     """Prefill -> conductor: the first token is out and the prompt's full blocks are in decode's inbox."""
 
     request_id: str
@@ -201,18 +176,16 @@ class PrefillDone:
     fetch_seconds: float = 0.0
 
 
-@message("decode")
-class Decode:
+class Decode(Message, tag="decode"):
     """Conductor -> decode: continue a request whose prefix KV sits in this instance's inbox."""
 
     request_id: str
     token_ids: list[int]  # prompt + the first token
     block_hashes: list[int]  # of the prompt's full blocks
-    sampling: dict  # max_tokens already counts the first token out
+    sampling: Sampling  # max_tokens already counts the first token out
 
 
-@message("tokens")
-class Tokens:
+class Tokens(Message, tag="tokens"):
     """Decode -> conductor: new tokens of one request; `finish_reason` set on its last message."""
 
     request_id: str
@@ -220,17 +193,21 @@ class Tokens:
     finish_reason: str | None = None
 
 
-@message("cancel")
-class Cancel:
+class Cancel(Message, tag="cancel"):
     """Conductor -> instance: drop the request and free every block it holds."""
 
     request_id: str
 
 
-@message("request_failed")
-class RequestFailed:
+class RequestFailed(Message, tag="request_failed"):
     """Instance -> conductor: the request cannot go on here, and why."""
 
     request_id: str
     error: str
     is_invalid: bool = False  # the request itself is unusable here (HTTP 400), not a failure of ours
+
+
+for _cls in Message.__subclasses__():
+    _cls.TAG = _cls.__struct_config__.tag
+    _TYPES[_cls.TAG] = _cls
+_decoder = msgspec.msgpack.Decoder(Union[tuple(_TYPES.values())])

@@ -1,5 +1,4 @@
-import dataclasses
-
+import msgpack
 import pytest
 
 from mooncake import messages as m
@@ -15,13 +14,13 @@ SAMPLES = [
     m.RemoveReply(removed=[True, False]),
     m.Stats(),
     m.StatsReply(stats={"hits": {"dram": 3}, "misses": 1}),
-    m.StoreEvents(node_id="cache-1", events=[["add", 7, "dram"], ["evict", 8, "ssd"]]),
+    m.StoreEvents(node_id="cache-1", events=[("add", 7, "dram"), ("evict", 8, None)]),
     m.ErrorReply(error="bad"),
     m.Register(instance_id="p0", role="prefill", model_id="tiny-abc", block_size=64, num_kv_blocks=128),
     m.RegisterReply(accepted=False, error="wrong model", heartbeat_interval_s=0.25),
     m.Leave(instance_id="d1"),
     m.Heartbeat(instance_id="d0", num_waiting=1, num_running=3, num_kv_blocks_used=9, num_kv_blocks=100,
-                step_samples=[[3, 900, 0.02]], cached_blocks=[2**63], evicted_blocks=[4]),
+                step_samples=[(3, 900, 0.02)], cached_blocks=[2**63], evicted_blocks=[4]),
     m.Prefill(request_id="r1", token_ids=[1, 2, 3], block_hashes=[11], sampling={"max_tokens": 4},
               decode_id="d0", decode_transport="shm", decode_address="shm://x", reuse_blocks=1, deadline_s=9.0),
     m.PrefillDone(request_id="r1", first_token=7, finish_reason=None, num_cached_tokens=64,
@@ -41,17 +40,33 @@ def test_every_registered_message_has_a_sample():
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda s: type(s).TAG)
 def test_round_trip(msg):
     back = m.decode(m.encode(msg))
-    assert type(back) is type(msg) and dataclasses.asdict(back) == dataclasses.asdict(msg)
+    assert type(back) is type(msg) and back == msg
 
 
 @pytest.mark.parametrize("frame, match", [
     (b"\xc1", "not msgpack"),
-    (b"\x93\x01\x02\x03", "must be a map"),
-    (b"\x82\xa1t\xa6nosuch\xa1v\x01", "unknown message type"),
+    (b"\x93\x01\x02\x03", "Expected `object`"),
+    (b"\x82\xa1t\xa6nosuch\xa1v\x01", "Invalid value 'nosuch'"),
     (b"\x82\xa1t\xa5hello\xa1v\x07", "version 7"),
-    (b"\x83\xa1t\xa6remove\xa1v\x01\xa3bad\x01", "unknown fields"),
-    (b"\x82\xa1t\xa6remove\xa1v\x01", "missing"),
+    (b"\x83\xa1t\xa6remove\xa1v\x01\xa3bad\x01", "unknown field `bad`"),
+    (b"\x82\xa1t\xa6remove\xa1v\x01", "missing required field `keys`"),
 ])
 def test_malformed_frames_are_message_errors(frame, match):
     with pytest.raises(m.MessageError, match=match):
+        m.decode(frame)
+
+
+@pytest.mark.parametrize("fields, where", [
+    ({"t": "leave", "instance_id": ["p0"]}, "$.instance_id"),  # once killed the conductor's receive loop
+    ({"t": "exists", "keys": [[1, 2], [3]]}, "$.keys[0]"),  # once killed a cache node's control loop
+    ({"t": "heartbeat", "instance_id": "d0", "step_samples": [[1, 2]]}, "$.step_samples[0]"),
+    ({"t": "heartbeat", "instance_id": "d0", "cached_blocks": ["x"]}, "$.cached_blocks[0]"),
+    ({"t": "store_events", "node_id": "c", "events": [["add", "key", "dram"]]}, "$.events[0][1]"),
+    ({"t": "prefill_done", "request_id": "r", "first_token": "7"}, "$.first_token"),
+    ({"t": "register", "instance_id": "p0", "role": "prefill", "model_id": "m", "block_size": "64"},
+     "$.block_size"),
+])
+def test_well_formed_but_ill_typed_messages_are_message_errors(fields, where):
+    frame = msgpack.packb({"v": m.VERSION, **fields})
+    with pytest.raises(m.MessageError, match=where.replace("$", r"\$").replace("[", r"\[")):
         m.decode(frame)

@@ -13,6 +13,7 @@ from mooncake import messages as m
 from mooncake.config import MooncakeConfig
 from mooncake.errors import CapacityError, MooncakeError
 from mooncake.registry import load_backend
+from mooncake.runtime import Supervisor
 from mooncake.store.store import KVStore
 from mooncake.transfer.contract import BlockLocation
 from mooncake.transfer.windows import WriteWindows
@@ -78,7 +79,11 @@ class CacheServer:
         self.service: StoreService | None = None
         self.data_address = ""
         self.ctx = None
-        self._tasks: list[asyncio.Task] = []
+        self.supervisor: Supervisor | None = None
+
+    @property
+    def fatal(self):
+        return self.supervisor.fatal if self.supervisor else None
 
     async def start(self) -> None:
         cfg = self.config.cache
@@ -98,16 +103,16 @@ class CacheServer:
             except zmq.ZMQError as exc:
                 await self.stop()
                 raise MooncakeError(f"{self.name}: cannot listen on {key} = {address}: {exc}") from None
-        self._tasks = [asyncio.create_task(self._serve_control()), asyncio.create_task(self._publish_events())]
+        self.supervisor = Supervisor(self.name)
+        self.supervisor.spawn(self._serve_control(), "the control loop")
+        self.supervisor.spawn(self._publish_events(), "the event publisher")
         log.info("%s ready: control %s, events %s, data %s (%s), store %s", self.name, cfg.control_address,
                  cfg.events_address, self.data_address, cfg.transport, self.store.num_blocks())
 
     async def stop(self) -> None:
         """Reverse order of start; safe to call on a half-started server."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         if self.transport is not None:
             await self.transport.stop()
             self.transport = None
@@ -123,7 +128,12 @@ class CacheServer:
     async def _serve_control(self) -> None:
         while True:
             identity, *frames = await self.control.recv_multipart()
-            await self.control.send_multipart([identity, m.encode(self.handle(frames))])
+            try:
+                reply = self.handle(frames)
+            except Exception:  # noqa: BLE001  one request must not end the control loop
+                log.exception("%s: a control request failed", self.name)
+                reply = m.ErrorReply(error="internal error; see the cache node's log")
+            await self.control.send_multipart([identity, m.encode(reply)])
 
     def handle(self, frames: list[bytes]):
         """One control request in, one reply out; a malformed request gets an ErrorReply and a log line."""
@@ -167,5 +177,5 @@ class CacheServer:
             self.service.windows.expire()  # a writer that died leaves its window: take it back in time
             events = self.store.drain_events()
             if events:
-                batch = [[e.kind, e.key, e.tier] for e in events]
+                batch = [(e.kind, e.key, e.tier) for e in events]
                 await self.events.send(m.encode(m.StoreEvents(node_id=self.config.cache.node_id, events=batch)))

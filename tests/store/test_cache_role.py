@@ -113,7 +113,7 @@ def test_put_get_match_prefix_and_events_across_processes(nodes, transport):
             keys = [k for k, _ in data]
             assert await client.match_prefix(keys[:3] + [999] + keys[3:]) == 3
             event = m.decode(await asyncio.wait_for(sub.recv(), 5))
-            assert isinstance(event, m.StoreEvents) and ["add", keys[0], "dram"] in event.events
+            assert isinstance(event, m.StoreEvents) and ("add", keys[0], "dram") in event.events
             (stats,) = (await client.stats()).values()
             assert stats["transfers"]["put"]["bytes"] == sum(len(d) for _, d in data)
             assert stats["transfers"]["get"]["bytes"] == sum(len(d) for _, d in data)
