@@ -6,7 +6,9 @@ import asyncio
 import ctypes
 import logging
 import signal
-from typing import Protocol
+from typing import Coroutine, Protocol
+
+from mooncake.errors import MooncakeError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,45 @@ class Service(Protocol):
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+
+class Supervisor:
+    """The long-lived tasks of one service. Each loop survives a bad message on its own (it catches,
+    logs and answers per message); a task that still ends by an exception cannot go on, so it is logged
+    and fails `fatal`, and run_service stops the process with a non-zero exit instead of leaving a zombie
+    that answers nothing."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.fatal: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._tasks: list[asyncio.Task] = []
+
+    def spawn(self, coro: Coroutine, what: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=f"{self.name}: {what}")
+        task.add_done_callback(lambda t: self._ended(t, what))
+        self._tasks.append(task)
+        return task
+
+    def fail(self, error: BaseException) -> None:
+        """End the service: run_service stops it and exits non-zero with `error`."""
+        if not self.fatal.done():
+            self.fatal.set_exception(error)
+
+    def _ended(self, task: asyncio.Task, what: str) -> None:
+        self._tasks = [t for t in self._tasks if t is not task]
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.critical("%s: %s failed and cannot go on", self.name, what, exc_info=exc)
+        self.fail(MooncakeError(f"{self.name}: {what} failed: {exc!r}"))
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if not self.fatal.done():
+            self.fatal.cancel()
 
 
 class ServiceStack:

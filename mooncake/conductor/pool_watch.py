@@ -59,7 +59,10 @@ class PoolWatcher:
     async def _poll_stats(self, address: str, node_id: str) -> None:
         while True:
             if isinstance(reply := await self._ask(address, m.Stats()), m.StatsReply):
-                self.on_stats(node_id, reply.stats)
+                try:
+                    self.on_stats(node_id, reply.stats)
+                except Exception:  # noqa: BLE001  odd counters cost this poll, not the next ones
+                    log.exception("cache node %s sent stats the metrics could not take", node_id)
             await asyncio.sleep(STATS_INTERVAL_S)
 
     async def _watch(self, address: str) -> None:
@@ -79,8 +82,10 @@ class PoolWatcher:
                 except m.MessageError as exc:
                     log.warning("cache node %s sent a malformed event batch: %s", hello.node_id, exc)
                     continue
-                if isinstance(msg, m.StoreEvents):
-                    for kind, key, _tier in msg.events:
-                        (self.index.add if kind == "add" else self.index.remove)(msg.node_id, (key,))
+                if not isinstance(msg, m.StoreEvents) or msg.node_id != hello.node_id:
+                    log.warning("cache node %s published something other than its own events", hello.node_id)
+                    continue
+                for kind, key, _tier in msg.events:
+                    (self.index.add if kind == "add" else self.index.remove)(hello.node_id, (key,))
         finally:
             sub.close(linger=0)

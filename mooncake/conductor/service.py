@@ -29,6 +29,7 @@ from mooncake.engine.sampling import SamplingParams
 from mooncake.errors import MooncakeError
 from mooncake.hashing import hash_blocks, make_namespace
 from mooncake.models import resolve_model
+from mooncake.runtime import Supervisor
 from mooncake.text import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,11 @@ class Conductor:
         self.ctx: zmq.asyncio.Context | None = None
         self.router = None
         self.pool: PoolWatcher | None = None
-        self._tasks: list[asyncio.Task] = []
+        self.supervisor: Supervisor | None = None
+
+    @property
+    def fatal(self):
+        return self.supervisor.fatal if self.supervisor else None
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -135,16 +140,16 @@ class Conductor:
         self.pool = PoolWatcher(self.config.cache_client.nodes, self.index, self.config.cache_client.timeout_s,
                                 on_stats=self.metrics.record_cache_stats)
         self.pool.start()
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch_liveness())]
+        self.supervisor = Supervisor(self.name)
+        self.supervisor.spawn(self._receive(), "the control-plane receive loop")
+        self.supervisor.spawn(self._watch_liveness(), "the liveness watch")
         log.info("conductor ready: model %s (%s), control %s, placement %s, admission %s",
                  self.config.engine.model, self.model.model_id, self.cfg.control_address, self.cfg.placement,
                  self.cfg.admission)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         for flight in list(self.flights.values()):
             flight.inbox.put_nowait(RequestFailed("the conductor is shutting down"))
         if self.pool is not None:
@@ -330,24 +335,39 @@ class Conductor:
 
     async def _receive(self) -> None:
         while True:
-            frames = await self.router.recv_multipart()
-            identity = frames[0].decode(errors="replace")
+            identity, *frames = await self.router.recv_multipart()
+            sender = identity.decode(errors="replace")
             try:
-                if len(frames) != 2:
-                    raise m.MessageError(f"expected 1 frame after the identity, got {len(frames) - 1}")
-                msg = m.decode(frames[1])
-            except m.MessageError as exc:
-                log.warning("malformed control message from %s: %s", identity, exc)
-                await self.router.send_multipart([frames[0], m.encode(m.ErrorReply(error=str(exc)))])
-                continue
-            reply = self._handle(msg, identity)
+                reply = self._on_frames(sender, frames)
+            except Exception:  # noqa: BLE001  one message must not end the control plane
+                log.exception("handling a control message from %r failed", sender)
+                reply = m.ErrorReply(error="internal error; see the conductor's log")
             if reply is not None:
-                await self.router.send_multipart([frames[0], m.encode(reply)])
+                try:
+                    await self.router.send_multipart([identity, m.encode(reply)])
+                except zmq.ZMQError as exc:  # the sender is gone (ROUTER_MANDATORY)
+                    log.debug("cannot answer %r: %s", sender, exc)
 
-    def _handle(self, msg, identity: str):
+    def _on_frames(self, sender: str, frames: list[bytes]):
+        try:
+            if len(frames) != 1:
+                raise m.MessageError(f"expected 1 frame after the identity, got {len(frames)}")
+            msg = m.decode(frames[0])
+        except m.MessageError as exc:
+            log.warning("malformed control message from %r: %s", sender, exc)
+            return m.ErrorReply(error=str(exc))
+        return self._handle(msg, sender)
+
+    def _handle(self, msg, sender: str):
+        """One control message from the connection whose identity is `sender`. A message that names an
+        instance counts only from that instance's own connection (the identity it registered with);
+        ZeroMQ refuses a second connection under an identity already connected."""
         now = self.clock()
         if isinstance(msg, m.Register):
-            return self._register(msg, identity, now)
+            return self._register(msg, sender, now)
+        if isinstance(msg, (m.Heartbeat, m.Leave)) and msg.instance_id != sender:
+            log.warning("ignored %s naming %r from the connection of %r", msg.TAG, msg.instance_id, sender)
+            return m.ErrorReply(error=f"{msg.TAG} may name only the sender's own instance")
         if isinstance(msg, m.Heartbeat):
             instance = self.registry.heartbeat(msg, now)
             if instance is None:
@@ -362,12 +382,20 @@ class Conductor:
             return None
         if isinstance(msg, (m.PrefillDone, m.Tokens, m.RequestFailed)):
             flight = self.flights.get(msg.request_id)
-            if flight is not None:
-                flight.inbox.put_nowait(msg)
-            elif not isinstance(msg, m.RequestFailed) and getattr(msg, "finish_reason", None) is None:
+            if flight is None:
+                if isinstance(msg, m.RequestFailed) or msg.finish_reason is not None:
+                    return None
                 return m.Cancel(request_id=msg.request_id)  # a request we gave up on: free it there
+            placed = flight.placement
+            holders = {m.PrefillDone: (placed.prefill_id,), m.Tokens: (placed.decode_id,)}.get(
+                type(msg), (placed.prefill_id, placed.decode_id))
+            if sender not in holders:
+                log.warning("ignored %s of request %s from %r, which does not hold it", msg.TAG,
+                            msg.request_id, sender)
+                return None
+            flight.inbox.put_nowait(msg)
             return None
-        log.warning("unexpected %s from %s", type(msg).__name__, identity)
+        log.warning("unexpected %s from %r", type(msg).__name__, sender)
         return m.ErrorReply(error=f"the conductor does not take {msg.TAG!r}")
 
     def _register(self, msg: m.Register, identity: str, now: float):
@@ -377,11 +405,14 @@ class Conductor:
         elif identity != msg.instance_id:
             problem = f"socket identity {identity!r} differs from instance id {msg.instance_id!r}"
         elif msg.model_id != self.model.model_id:
-            problem = f"it runs model {msg.model_id}; this conductor serves {self.model.model_id}"
+            problem = f"it runs model {msg.model_id}, which this conductor does not serve"
         elif msg.block_size != self.block_size:
-            problem = f"its block_size is {msg.block_size}; the system's is {self.block_size}"
+            problem = f"its block_size {msg.block_size} is not the system's"
         if problem:
-            log.error("refused %s: %s", msg.instance_id, problem)
+            # NOTE: the reply tells the instance what of its own is wrong and nothing of the cluster's;
+            # the conductor's log has both sides.
+            log.error("refused %s: %s (this conductor: model %s, block_size %d)", msg.instance_id, problem,
+                      self.model.model_id, self.block_size)
             return m.RegisterReply(accepted=False, error=problem)
         self.registry.register(msg, now)
         self.metrics.up.labels(msg.instance_id, msg.role).set(1)
@@ -408,7 +439,11 @@ class Conductor:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s / 2)
             for instance in self.registry.expire(self.clock()):
-                self._on_dead(instance, f"stopped responding (no heartbeat for {self.cfg.heartbeat_timeout_s:g} s)")
+                try:
+                    self._on_dead(instance, f"stopped responding (no heartbeat for "
+                                            f"{self.cfg.heartbeat_timeout_s:g} s)")
+                except Exception:  # noqa: BLE001  the next instance's expiry must still happen
+                    log.exception("failing the requests of %s failed", instance.instance_id)
 
     def _on_dead(self, instance: Instance, why: str) -> None:
         """It gets no more work, its cached blocks leave the index, and its requests fail."""

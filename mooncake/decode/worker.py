@@ -24,13 +24,13 @@ class DecodeWorker(Worker):
 
     def __init__(self, config):
         super().__init__(config)
-        self.inbox = KVInbox(config.instance.kv_inbox_ttl_s)
+        self.inbox = KVInbox(config.instance.kv_inbox_ttl_s, config.instance.kv_inbox_bytes)
         self._expiry: asyncio.Task | None = None
 
     async def start_role(self) -> None:
         self.transport = load_backend("transports", self.config.instance.transport)()
         self.data_address = await self.transport.start(self.inbox, self.config.instance.data_address or None)
-        self._expiry = asyncio.create_task(self._expire())
+        self._expiry = self.supervisor.spawn(self._expire(), "the KV inbox expiry")
 
     async def stop_role(self) -> None:
         if self._expiry is not None:

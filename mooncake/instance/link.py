@@ -11,6 +11,7 @@ import zmq.asyncio
 
 from mooncake import messages as m
 from mooncake.errors import MooncakeError
+from mooncake.runtime import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -19,14 +20,14 @@ REGISTER_RETRY_S = 1.0
 
 class ConductorLink:
     def __init__(self, address: str, register: m.Register, heartbeat: Callable[[], m.Heartbeat],
-                 on_message: Callable[[object], Awaitable[None]]):
+                 on_message: Callable[[object], Awaitable[None]], supervisor: Supervisor):
         self.address = address
         self.register_msg = register
         self.make_heartbeat = heartbeat
         self.on_message = on_message
         self.heartbeat_interval_s = 0.5
         self.registered = asyncio.Event()
-        self.refused: asyncio.Future = asyncio.get_running_loop().create_future()  # set: the process must end
+        self.supervisor = supervisor  # a refusal or a dead loop ends the instance through it
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -35,7 +36,8 @@ class ConductorLink:
 
     async def start(self) -> None:
         self.sock.connect(self.address)
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._register_and_beat())]
+        self._tasks = [self.supervisor.spawn(self._receive(), "the conductor link's receive loop"),
+                       self.supervisor.spawn(self._register_and_beat(), "the heartbeat")]
 
     async def stop(self) -> None:
         if self.registered.is_set():
@@ -81,9 +83,8 @@ class ConductorLink:
                     if msg.error == "unregistered":
                         self.registered.clear()
                         continue
-                    if not self.refused.done():
-                        self.refused.set_exception(MooncakeError(
-                            f"the conductor at {self.address} refused {self.register_msg.instance_id}: {msg.error}"))
+                    self.supervisor.fail(MooncakeError(
+                        f"the conductor at {self.address} refused {self.register_msg.instance_id}: {msg.error}"))
                     return
                 self.heartbeat_interval_s = msg.heartbeat_interval_s
                 self.registered.set()

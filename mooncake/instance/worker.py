@@ -10,6 +10,7 @@ from mooncake.config import MooncakeConfig
 from mooncake.engine import LLMEngine
 from mooncake.instance.engine_loop import EngineLoop
 from mooncake.instance.link import ConductorLink
+from mooncake.runtime import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +27,15 @@ class Worker:
         self.link: ConductorLink | None = None
         self.transport = None
         self.data_address = ""
+        self.supervisor: Supervisor | None = None
 
     @property
     def fatal(self):
-        return self.link.refused if self.link else None
+        return self.supervisor.fatal if self.supervisor else None
 
     async def start(self) -> None:
         # NOTE: loading weights takes seconds; do it off the event loop's thread all the same.
+        self.supervisor = Supervisor(self.name)
         self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
         self.loop = EngineLoop(self.engine, self.on_outputs, self.on_failed)
         await self.start_role()
@@ -40,7 +43,7 @@ class Worker:
                               block_size=self.engine.block_size, transport=self.config.instance.transport,
                               data_address=self.data_address, num_kv_blocks=self.engine.pool.num_blocks)
         self.link = ConductorLink(self.config.instance.conductor_address, register, self.heartbeat,
-                                  self.on_message)
+                                  self.on_message, self.supervisor)
         self.loop.start()
         await self.link.start()
         log.info("%s ready: model %s, %d KV blocks, conductor %s", self.name, self.config.engine.model,
@@ -54,6 +57,8 @@ class Worker:
             await self.loop.stop()
             self.loop = None
         await self.stop_role()
+        if self.supervisor is not None:
+            await self.supervisor.stop()
 
     def heartbeat(self) -> m.Heartbeat:
         engine = self.engine

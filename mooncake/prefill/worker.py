@@ -60,7 +60,7 @@ class PrefillWorker(Worker):
                 log.warning("%s: no cache pool (%s); computing every prefix locally", self.name, exc)
                 await self.cache.stop()
                 self.cache = None
-        self._deadlines = asyncio.create_task(self._enforce_deadlines())
+        self._deadlines = self.supervisor.spawn(self._enforce_deadlines(), "the deadline watch")
 
     async def stop_role(self) -> None:
         if self._deadlines is not None:

@@ -239,3 +239,28 @@ def test_kill_9_mid_writes_then_restart_serves_every_block_that_reached_ssd(node
     served = {k: v for k, v in got.items() if v is not None}
     assert set(acked[:-1]) <= set(served)  # all but the last acked block had been demoted to SSD
     assert all(v == expected[k] for k, v in served.items())  # nothing partial or wrong is served
+
+
+def test_random_frames_never_end_the_control_loop(nodes):
+    from hypothesis import HealthCheck, given, settings
+
+    from tests.wire_fuzz import frames
+    node = nodes()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(node.control)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(frame=frames)
+    def one(frame):
+        sock.send(frame)
+        assert sock.poll(5000), "the cache node stopped answering"
+        sock.recv()  # every request gets exactly one reply, an ErrorReply for the bad ones
+
+    try:
+        one()
+        sock.send(m.encode(m.Hello()))
+        assert sock.poll(5000) and isinstance(m.decode(sock.recv()), m.HelloReply)
+        assert node.proc.poll() is None
+    finally:
+        sock.close()
