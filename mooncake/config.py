@@ -173,12 +173,14 @@ class InstanceConfig:
     use_cache_pool: bool = True  # prefill reads reused blocks from, and writes new ones to, the cache nodes
     stream_kv: bool = True  # prefill pushes each chunk's KV while computing the next; false: all at the end
     kv_inbox_ttl_s: float = 60.0  # decode drops KV no request claimed within this long
+    kv_inbox_bytes: int = 1 << 30  # decode holds at most this much unclaimed KV; more is refused
 
     def __post_init__(self):
         _check(self.transport in TRANSPORTS, "instance.transport", f"must be one of {', '.join(TRANSPORTS)}")
         _check("://" in self.conductor_address, "instance.conductor_address",
                "must be a ZeroMQ address like tcp://127.0.0.1:7700")
         _check(self.kv_inbox_ttl_s > 0, "instance.kv_inbox_ttl_s", "must be > 0")
+        _check(self.kv_inbox_bytes > 0, "instance.kv_inbox_bytes", "must be > 0")
 
 
 @dataclass(frozen=True)

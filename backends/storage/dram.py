@@ -34,10 +34,10 @@ class DramTier(StorageTier):
         if shared:
             # NOTE: named like the shm transport's segments, so its stale-segment sweep and its path
             # checks cover this file too.
-            from backends.transports.shm import PREFIX, SHM_DIR, remove_stale_segments
+            from backends.transports.shm import PREFIX, SHM_DIR, open_private, remove_stale_segments
             remove_stale_segments()
             self.path = str(SHM_DIR / f"{PREFIX}{os.getpid()}-dram-{uuid.uuid4().hex[:12]}")
-            with open(self.path, "w+b") as f:
+            with open_private(self.path) as f:
                 f.truncate(capacity_bytes)
                 self._mapping = mmap.mmap(f.fileno(), capacity_bytes)
             self._view = memoryview(self._mapping)

@@ -31,6 +31,11 @@ from mooncake.transfer.framing import pack_header
 from mooncake.transfer.windows import WriteWindows
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+
+
+def open_private(path: Path | str):
+    """A new segment file, mode 0600: only processes of our own user may map the blocks in it."""
+    return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "w+b")
 PREFIX = "mooncake-shm-"
 POPULATE_MAX_BYTES = 4 << 30  # larger peer files fault their pages in as they are touched
 WINDOW_BYTES = 32 << 20  # write window asked of a cache node, or 4 puts' worth if more (it may lend less)
@@ -65,7 +70,7 @@ class ShmTransport(StagedTransport):
         super().__init__(tamper=tamper, host=host)
         remove_stale_segments()
         self.path = SHM_DIR / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        with open(self.path, "w+b") as f:
+        with open_private(self.path) as f:
             f.truncate(segment_bytes)
             # Populated up front, as peers' files are: writers' windows and staging move through all of it.
             self._mapping = mmap.mmap(f.fileno(), segment_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)

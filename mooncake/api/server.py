@@ -8,6 +8,7 @@ Errors are OpenAI-style bodies: 400 bad input (an unknown model too), 401 bad ke
 request, and the conductor frees it on every instance."""
 
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -87,7 +88,8 @@ class ApiServer:
     @web.middleware
     async def _auth(self, request, handler):
         if self.cfg.api_key and request.path.startswith("/v1/"):
-            if request.headers.get("Authorization", "") != f"Bearer {self.cfg.api_key}":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {self.cfg.api_key}".encode()):  # constant time
                 raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
         return await handler(request)

@@ -1,6 +1,7 @@
 """A decode instance's KV inbox: the BlockService its transport serves, where prefill instances push a
 request's blocks before the conductor sends the `Decode` that claims them. Blocks are keyed by hash and
-counted, so two requests sharing a prefix can both claim it; what nobody claims expires."""
+counted, so two requests sharing a prefix can both claim it; what nobody claims expires. The inbox holds
+at most `max_bytes`: a block past that is refused (the sender reports it), never buffered without bound."""
 
 import time
 
@@ -8,8 +9,10 @@ import time
 class KVInbox:
     keeps_blocks = True  # transports hand over block bytes it may hold (mooncake/transfer/contract.py)
 
-    def __init__(self, ttl_s: float):
+    def __init__(self, ttl_s: float, max_bytes: int = 1 << 30):
         self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
         self._blocks: dict[int, list] = {}  # hash -> [block bytes, copies pending, arrival time]
 
     def __len__(self) -> int:
@@ -18,6 +21,11 @@ class KVInbox:
     def put_block(self, key: int, data) -> str | None:
         entry = self._blocks.get(key)
         if entry is None:
+            size = memoryview(data).nbytes
+            if self.num_bytes + size > self.max_bytes:
+                return (f"the KV inbox is full ({self.num_bytes} of {self.max_bytes} bytes held; "
+                        f"instance.kv_inbox_bytes sets the limit)")
+            self.num_bytes += size
             self._blocks[key] = [data, 1, time.monotonic()]
         else:
             entry[1] += 1
@@ -37,7 +45,7 @@ class KVInbox:
             found.append(entry[0])
             entry[1] -= 1
             if entry[1] <= 0:
-                del self._blocks[key]
+                self._drop(key)
         return found
 
     def expire(self) -> int:
@@ -45,5 +53,8 @@ class KVInbox:
         cutoff = time.monotonic() - self.ttl_s
         stale = [k for k, (_, _, t) in self._blocks.items() if t < cutoff]
         for key in stale:
-            del self._blocks[key]
+            self._drop(key)
         return len(stale)
+
+    def _drop(self, key: int) -> None:
+        self.num_bytes -= memoryview(self._blocks.pop(key)[0]).nbytes

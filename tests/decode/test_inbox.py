@@ -19,3 +19,14 @@ def test_a_gap_stops_the_claim_and_unclaimed_blocks_expire():
     inbox.put_block(5, b"x")
     assert inbox.claim([4, 5]) == []
     assert inbox.expire() == 1 and len(inbox) == 0
+
+
+def test_the_inbox_is_bounded_in_bytes_and_refuses_past_it_with_a_clear_reason():
+    inbox = KVInbox(ttl_s=60, max_bytes=10)
+    assert inbox.put_block(1, b"123456") is None
+    refusal = inbox.put_block(2, b"123456")
+    assert refusal is not None and "full" in refusal and "instance.kv_inbox_bytes" in refusal
+    assert inbox.put_block(1, b"123456") is None  # another copy of a held block costs no bytes
+    assert inbox.claim([1]) == [b"123456"] and inbox.num_bytes == 6
+    assert inbox.claim([1]) == [b"123456"] and inbox.num_bytes == 0
+    assert inbox.put_block(2, b"123456") is None  # room again once claimed
