@@ -55,15 +55,11 @@ class StoreConfig:
     lease_s: float = 10.0  # how long a read keeps its block from eviction, at most
 
     def __post_init__(self):
-        from mooncake.store.eviction import POLICIES
         _check(self.dram_bytes > 0, "store.dram_bytes", "must be > 0")
         _check(self.ssd_bytes >= 0, "store.ssd_bytes", "must be >= 0")
         _check(not self.ssd_dir or self.ssd_bytes > 0, "store.ssd_bytes", "must be > 0 when store.ssd_dir is set")
-        _check(self.eviction in POLICIES, "store.eviction", f"must be one of {', '.join(POLICIES)}")
+        _check_known("eviction", self.eviction, "store.eviction")
         _check(self.lease_s > 0, "store.lease_s", "must be > 0")
-
-
-TRANSPORTS = ("tcp", "shm", "mooncake", "inproc")
 
 
 @dataclass(frozen=True)
@@ -79,7 +75,7 @@ class CacheConfig:
     read_lease_s: float = 5.0  # how long a block being sent to a reader stays pinned
 
     def __post_init__(self):
-        _check(self.transport in TRANSPORTS, "cache.transport", f"must be one of {', '.join(TRANSPORTS)}")
+        _check_known("transports", self.transport, "cache.transport")
         for key in ("event_interval_s", "read_lease_s"):
             _check(getattr(self, key) > 0, f"cache.{key}", "must be > 0")
         for key in ("control_address", "events_address"):
@@ -126,10 +122,8 @@ class ConductorConfig:
     bandwidth_bytes_per_s: float = 1e9
 
     def __post_init__(self):
-        from mooncake.conductor.admission import ADMISSION
-        from mooncake.conductor.policies import POLICIES
-        _check(self.placement in POLICIES, "conductor.placement", f"must be one of {', '.join(POLICIES)}")
-        _check(self.admission in ADMISSION, "conductor.admission", f"must be one of {', '.join(ADMISSION)}")
+        _check_known("placement", self.placement, "conductor.placement")
+        _check_known("admission", self.admission, "conductor.admission")
         for key in ("balancing_threshold", "ttft_slo_s", "tbt_slo_s", "heartbeat_interval_s",
                     "heartbeat_timeout_s", "prefill_timeout_s", "token_timeout_s", "bandwidth_bytes_per_s"):
             _check(getattr(self, key) > 0, f"conductor.{key}", "must be > 0")
@@ -176,7 +170,7 @@ class InstanceConfig:
     kv_inbox_bytes: int = 1 << 30  # decode holds at most this much unclaimed KV; more is refused
 
     def __post_init__(self):
-        _check(self.transport in TRANSPORTS, "instance.transport", f"must be one of {', '.join(TRANSPORTS)}")
+        _check_known("transports", self.transport, "instance.transport")
         _check("://" in self.conductor_address, "instance.conductor_address",
                "must be a ZeroMQ address like tcp://127.0.0.1:7700")
         _check(self.kv_inbox_ttl_s > 0, "instance.kv_inbox_ttl_s", "must be > 0")
@@ -234,6 +228,13 @@ class MooncakeConfig:
 def _check(ok: bool, key: str, why: str) -> None:
     if not ok:
         raise ConfigError(f"config key '{key}' {why}")
+
+
+def _check_known(kind: str, name: str, key: str) -> None:
+    """`name` is a backend registered under `kind` (ours or a third party's entry point)."""
+    from mooncake.registry import known
+    names = known(kind)
+    _check(name in names, key, f"must be one of {', '.join(names)}, got {name!r}")
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> MooncakeConfig:

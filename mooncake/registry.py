@@ -22,10 +22,36 @@ BACKENDS: dict[str, dict[str, str]] = {
         "dram": "backends.storage.dram:DramTier",
         "ssd": "backends.storage.ssd:SsdTier",
     },
+    # Policies are found by name the same way, so config validates them without importing a role.
+    "placement": {
+        "kvcache-centric": "mooncake.conductor.policies:KVCacheCentricPolicy",
+        "local-cache-aware": "mooncake.conductor.policies:LocalCacheAwarePolicy",
+        "least-loaded": "mooncake.conductor.policies:LeastLoadedPolicy",
+        "round-robin": "mooncake.conductor.policies:RoundRobinPolicy",
+        "random": "mooncake.conductor.policies:RandomPolicy",
+    },
+    "admission": {
+        "accept-all": "mooncake.conductor.admission:AcceptAll",
+        "ttft-only": "mooncake.conductor.admission:TtftOnly",
+        "early": "mooncake.conductor.admission:EarlyRejection",
+        "predictive": "mooncake.conductor.admission:PredictiveRejection",
+    },
+    "eviction": {
+        "lru": "mooncake.store.eviction:LRUPolicy",
+        "lfu": "mooncake.store.eviction:LFUPolicy",
+        "length-aware": "mooncake.store.eviction:LengthAwarePolicy",
+    },
 }
 
 # Which pip extra brings the dependency a backend needs, for the error message.
 EXTRAS: dict[tuple[str, str], str] = {}
+
+
+def known(kind: str) -> list[str]:
+    """Every name registered under `kind`: ours, then third parties' entry points."""
+    prefix = f"{kind}."
+    extra = [ep.name[len(prefix):] for ep in entry_points(group="mooncake.backends") if ep.name.startswith(prefix)]
+    return list(BACKENDS.get(kind, {})) + [n for n in extra if n not in BACKENDS.get(kind, {})]
 
 
 def load_backend(kind: str, name: str):

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mooncake.errors import MooncakeError  # noqa: E402
 from mooncake.sim.trace import load_trace  # noqa: E402
-from mooncake.store.eviction import POLICIES  # noqa: E402
+from mooncake.registry import known  # noqa: E402
 from mooncake.store.hit_ratio import hit_ratio  # noqa: E402
 
 
@@ -21,16 +21,16 @@ def main() -> int:
     parser.add_argument("--trace", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces" /
                                                "conversation_trace.jsonl"))
     parser.add_argument("--capacity", default="5000,20000,50000,100000", help="pool sizes in blocks")
-    parser.add_argument("--policy", default="lru,lfu,length-aware", help=f"any of {', '.join(POLICIES)}")
+    parser.add_argument("--policy", default="lru,lfu,length-aware", help=f"any of {', '.join(known('eviction'))}")
     parser.add_argument("--out", default="bench-results/cache_hit.json")
     args = parser.parse_args()
     try:
         requests = [r.hash_ids for r in load_trace(args.trace)]
         capacities = [int(c) for c in args.capacity.split(",")]
         policies = args.policy.split(",")
-        unknown = [p for p in policies if p not in POLICIES]
+        unknown = [p for p in policies if p not in known('eviction')]
         if unknown:
-            raise MooncakeError(f"unknown policy {', '.join(unknown)} (known: {', '.join(POLICIES)})")
+            raise MooncakeError(f"unknown policy {', '.join(unknown)} (known: {', '.join(known('eviction'))})")
     except (MooncakeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

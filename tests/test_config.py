@@ -72,3 +72,24 @@ def test_dump_config_round_trips():
     cfg = load_config(None, {"engine.model": 'we"ird\\\\path', "cache_client.nodes": ["tcp://a:1", "tcp://b:2"],
                              "api.port": 0, "conductor.tbt_slo_s": 0.25})
     assert from_dict(MooncakeConfig, tomllib.loads(dump_config(cfg))) == cfg
+
+
+def test_the_shared_layer_validates_backend_names_without_importing_a_role():
+    import subprocess
+    import sys
+    code = ("import sys; from mooncake.config import load_config; load_config(None); "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in "
+            "(['mooncake', 'conductor'], ['mooncake', 'store'], ['mooncake', 'engine'])))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_a_third_party_transport_registered_by_entry_point_is_a_valid_name(monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    import mooncake.registry
+    ep = EntryPoint("transports.carrier-pigeon", "somewhere:Pigeon", "mooncake.backends")
+    monkeypatch.setattr(mooncake.registry, "entry_points", lambda group: [ep] if group == "mooncake.backends" else [])
+    assert load_config(None, {"instance.transport": "carrier-pigeon"}).instance.transport == "carrier-pigeon"
+    with pytest.raises(ConfigError, match="instance.transport.*carrier-pigeon.*'owl'"):
+        load_config(None, {"instance.transport": "owl"})

@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 
 from mooncake.conductor.estimators import DecodeStepModel
 from mooncake.conductor.view import ClusterView, Placement, Rejection, RequestView
-from mooncake.errors import ConfigError
+from mooncake.registry import load_backend
 
 
 class AdmissionPolicy(ABC):
@@ -78,13 +78,7 @@ class PredictiveRejection(AdmissionPolicy):
         return None
 
 
-ADMISSION = {"accept-all": AcceptAll, "ttft-only": TtftOnly, "early": EarlyRejection,
-             "predictive": PredictiveRejection}
-
-
 def make_admission_policy(name: str, decode_step: DecodeStepModel, ttft_slo_s: float,
                           tbt_slo_s: float) -> AdmissionPolicy:
-    cls = ADMISSION.get(name)
-    if cls is None:
-        raise ConfigError(f"unknown admission policy '{name}' (known: {', '.join(ADMISSION)})")
-    return cls(decode_step, ttft_slo_s, tbt_slo_s)
+    """The admission policy registered as `name` (mooncake/registry.py)."""
+    return load_backend("admission", name)(decode_step, ttft_slo_s, tbt_slo_s)

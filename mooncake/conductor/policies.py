@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
 from mooncake.conductor.prefix_index import PrefixIndex
 from mooncake.conductor.view import ClusterView, DecodeView, Placement, PrefillView, RequestView
-from mooncake.errors import ConfigError
+from mooncake.registry import load_backend
 
 
 @dataclass
@@ -144,17 +144,6 @@ class RandomPolicy(PlacementPolicy):
         return self._local_only(request, cluster, self.rng.choice(cluster.prefills))
 
 
-POLICIES = {
-    "kvcache-centric": KVCacheCentricPolicy,
-    "local-cache-aware": LocalCacheAwarePolicy,
-    "least-loaded": LeastLoadedPolicy,
-    "round-robin": RoundRobinPolicy,
-    "random": RandomPolicy,
-}
-
-
 def make_placement_policy(name: str, index: PrefixIndex, estimators: Estimators, **kwargs) -> PlacementPolicy:
-    cls = POLICIES.get(name)
-    if cls is None:
-        raise ConfigError(f"unknown placement policy '{name}' (known: {', '.join(POLICIES)})")
-    return cls(index, estimators, **kwargs)
+    """The placement policy registered as `name` (mooncake/registry.py)."""
+    return load_backend("placement", name)(index, estimators, **kwargs)

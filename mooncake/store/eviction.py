@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from mooncake.errors import ConfigError
+from mooncake.registry import load_backend
 
 
 class EvictionPolicy(ABC):
@@ -123,15 +123,6 @@ class LengthAwarePolicy(_HeapPolicy):
         self._position.pop(key, None)
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {
-    "lru": LRUPolicy,
-    "lfu": LFUPolicy,
-    "length-aware": LengthAwarePolicy,
-}
-
-
 def make_policy(name: str) -> EvictionPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ConfigError(f"unknown eviction policy '{name}' (known: {', '.join(POLICIES)})") from None
+    """The eviction policy registered as `name` (mooncake/registry.py)."""
+    return load_backend("eviction", name)()

@@ -6,7 +6,7 @@ import pytest
 from mooncake.conductor.admission import make_admission_policy
 from mooncake.conductor.estimators import DecodeStepModel
 from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, Placement, PrefillView, RequestView
-from mooncake.errors import ConfigError
+from mooncake.errors import BackendError
 
 # TBT = 10 ms per request in the batch; with a 100 ms SLO a decode instance holds 10 requests.
 STEP = DecodeStepModel(0.0, 0.01, 0.0)
@@ -51,7 +51,7 @@ def test_ttft_slo_and_accept_all():
     assert policy("early").admit(REQUEST, placement(ttft_s=31.0), view([]), 0).reason == "ttft_slo"
     assert policy("predictive").admit(REQUEST, placement(ttft_s=31.0), view([]), 0).reason == "ttft_slo"
     assert policy("accept-all").admit(REQUEST, placement(ttft_s=99.0), view([DecodeLoad(0, 9, 1)] * 50), 0) is None
-    with pytest.raises(ConfigError, match="unknown admission policy"):
+    with pytest.raises(BackendError, match="unknown admission backend .maybe."):
         policy("maybe")
 
 

@@ -4,7 +4,7 @@ from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, P
 from mooncake.conductor.policies import Estimators, make_placement_policy
 from mooncake.conductor.prefix_index import PrefixIndex
 from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, PrefillView, RequestView
-from mooncake.errors import ConfigError
+from mooncake.errors import BackendError
 
 BLOCK = 512
 BLOCK_BYTES = 100 << 20  # 100 MiB of KV per block
@@ -105,7 +105,7 @@ def test_decode_goes_to_the_lowest_predicted_tbt():
 
 
 def test_unknown_policy_and_empty_cluster():
-    with pytest.raises(ConfigError, match="unknown placement policy 'best'"):
+    with pytest.raises(BackendError, match="unknown placement backend .best."):
         make_placement_policy("best", PrefixIndex(), estimators())
     policy = make_placement_policy("random", PrefixIndex(), estimators())
     assert policy.place(REQUEST, ClusterView([], [], BLOCK, BLOCK_BYTES), 0) is None

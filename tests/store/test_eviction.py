@@ -1,6 +1,6 @@
 import pytest
 
-from mooncake.errors import ConfigError
+from mooncake.errors import BackendError
 from mooncake.store.eviction import LengthAwarePolicy, LFUPolicy, LRUPolicy, make_policy
 
 
@@ -51,5 +51,5 @@ def test_victim_skips_pinned_and_none_when_all_pinned(name):
 
 
 def test_unknown_policy_is_a_config_error():
-    with pytest.raises(ConfigError, match="unknown eviction policy 'mru'"):
+    with pytest.raises(BackendError, match="unknown eviction backend 'mru'"):
         make_policy("mru")
