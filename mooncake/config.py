@@ -62,6 +62,28 @@ class StoreConfig:
         _check(self.lease_s > 0, "store.lease_s", "must be > 0")
 
 
+PROTOCOLS = ("tcp", "rdma")
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """What every KV transport endpoint of a process is built with (`mooncake/transfer/`), whichever
+    transport [instance] or [cache] selects."""
+
+    host: str = ""  # where data endpoints listen, and the address peers are told; empty: this host's
+    # address on the route to instance.conductor_address (127.0.0.1 when the conductor is on loopback)
+    protocol: str = "tcp"  # the mooncake transport: "tcp", or "rdma" on hosts with RDMA NICs
+    rdma_devices: tuple[str, ...] = ()  # rdma: the NICs to use, e.g. ["mlx5_0"]; empty: every one found
+    metadata_server: str = "P2PHANDSHAKE"  # the mooncake transport's Transfer Engine metadata; P2PHANDSHAKE: none
+    shm_segment_bytes: int = 256 << 20  # the shm transport: each endpoint's shared-memory segment
+
+    def __post_init__(self):
+        _check(self.protocol in PROTOCOLS, "transport.protocol", f"must be one of {', '.join(PROTOCOLS)}")
+        _check(self.host not in ("0.0.0.0", "*", "::"), "transport.host",
+               "is what peers are told, so it must be this host's reachable address, not a wildcard")
+        _check(self.shm_segment_bytes > 0, "transport.shm_segment_bytes", "must be > 0")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The cache role's endpoints (`mooncake serve --role cache`); its store is the [store] table."""
@@ -160,7 +182,7 @@ ROLES = ("prefill", "decode")
 class InstanceConfig:
     """A prefill or decode instance: its name, its conductor, and how KV reaches it."""
 
-    instance_id: str = ""  # empty: "<role>-<pid>"
+    instance_id: str = ""  # empty: "<role>-<host name>-<pid>", unique across hosts
     conductor_address: str = "tcp://127.0.0.1:7700"
     transport: str = "tcp"  # KV between prefill and decode: tcp, shm (same host), mooncake, inproc
     data_address: str = ""  # decode's KV inbox; empty: any free loopback port
@@ -219,6 +241,7 @@ class MooncakeConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     cache_client: CacheClientConfig = field(default_factory=CacheClientConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     instance: InstanceConfig = field(default_factory=InstanceConfig)

@@ -14,6 +14,10 @@ _counter = iter(range(1, 1 << 62))
 class InprocTransport(Transport):
     name = "inproc"
 
+    @classmethod
+    def from_config(cls, config, host):
+        return cls()  # one process: no address to listen on
+
     def __init__(self, tamper: Tamper = None):
         self.tamper = tamper
         self.service: BlockService | None = None

@@ -12,12 +12,13 @@ import logging
 import sys
 import types
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
 from backends.transports.staged import StagedTransport
 from mooncake.env import mooncake_te_dir
-from mooncake.errors import BackendError
+from mooncake.errors import BackendError, ConfigError
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = ("run `make mooncake-te` (Debian packages libibverbs1 ibverbs-providers, then pip install "
@@ -57,21 +58,46 @@ def load_wheel_module(name: str):
     return module
 
 
+RDMA_SYSFS = Path("/sys/class/infiniband")
+
+
+def check_rdma_devices(devices: tuple[str, ...], sysfs: Path = RDMA_SYSFS) -> None:
+    """A ConfigError naming the key unless this host has the RDMA devices `transport.rdma_devices` names
+    (or any, when it names none)."""
+    found = sorted(p.name for p in sysfs.iterdir()) if sysfs.is_dir() else []
+    if not found:
+        raise ConfigError(f"config key 'transport.protocol' is 'rdma' but this host has no RDMA devices "
+                          f"({sysfs} is empty); use protocol = \"tcp\" here")
+    missing = [d for d in devices if d not in found]
+    if missing:
+        raise ConfigError(f"config key 'transport.rdma_devices' names {', '.join(missing)}, not on this host "
+                          f"(found: {', '.join(found)})")
+
+
 class MooncakeTransport(StagedTransport):
     name = "mooncake"
 
     def __init__(self, tamper=None, host: str = "127.0.0.1", protocol: str = "tcp",
-                 staging_bytes: int = 256 << 20):
+                 staging_bytes: int = 256 << 20, rdma_devices: tuple[str, ...] = (),
+                 metadata_server: str = "P2PHANDSHAKE"):
+        if protocol == "rdma":
+            check_rdma_devices(rdma_devices)
         engine = load_transfer_engine()
         super().__init__(tamper=tamper, host=host)
         self.engine = engine.TransferEngine()
-        if self.engine.initialize(host, "P2PHANDSHAKE", protocol, "") != 0:
-            raise BackendError(f"transport 'mooncake': Transfer Engine failed to start ({protocol} on {host})")
+        if self.engine.initialize(host, metadata_server, protocol, ",".join(rdma_devices)) != 0:
+            raise BackendError(f"transport 'mooncake': Transfer Engine failed to start ({protocol} on {host}, "
+                               f"metadata {metadata_server})")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         buffer = np.zeros(staging_bytes, dtype=np.uint8)
         if self.engine.register_memory(buffer.ctypes.data, staging_bytes) != 0:
             raise BackendError("transport 'mooncake': cannot register the staging buffer")
         self._init_staging(buffer, buffer.ctypes.data)
+
+    @classmethod
+    def from_config(cls, config, host):
+        return cls(host=host, protocol=config.protocol, rdma_devices=config.rdma_devices,
+                   metadata_server=config.metadata_server)
 
     def _locator(self):
         return {"session": self.session}

@@ -83,6 +83,10 @@ class ShmTransport(StagedTransport):
         self._lender = None  # what lends windows to this endpoint's writers: its service, its segment, or none
         self._let_go: deque[tuple[int, int]] = deque()  # ranges of kept blocks let go of, to free
 
+    @classmethod
+    def from_config(cls, config, host):
+        return cls(host=host, segment_bytes=config.shm_segment_bytes)
+
     def _locator(self):
         return {"shm": str(self.path)}
 

@@ -11,6 +11,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from mooncake.addresses import advertised
 from mooncake.transfer.contract import BlockResult, BlockService, TransferError, TransferResult, Transport, \
     new_request_id
 from mooncake.transfer.framing import Tamper, block_frames, pack_header, unpack_header, verify_blocks
@@ -73,7 +74,8 @@ class TcpTransport(Transport):
                 self._server.close(linger=0)
                 self._server = None
                 raise TransferError(f"{self.name} transport cannot listen on {address}: {exc}") from None
-            self.address = self._server.getsockopt_string(zmq.LAST_ENDPOINT)
+            # NOTE: peers get a reachable address: a wildcard bind is advertised as this endpoint's host.
+            self.address = advertised(self._server.getsockopt_string(zmq.LAST_ENDPOINT), self.host)
             self._loop = asyncio.get_running_loop()
             self._loop.add_reader(self._server.getsockopt(zmq.FD), self._serve)
             self._loop.call_soon(self._serve)  # anything that came before the reader was added

@@ -14,7 +14,7 @@ from mooncake.engine.sampling import SamplingParams
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
 from mooncake.instance.worker import Worker
 from mooncake.kv_payload import KVPayload
-from mooncake.registry import load_backend
+from mooncake.transfer.contract import make_transport
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class DecodeWorker(Worker):
         self._expiry: asyncio.Task | None = None
 
     async def start_role(self) -> None:
-        self.transport = load_backend("transports", self.config.instance.transport)()
+        self.transport = make_transport(self.config.instance.transport, self.config)
         self.data_address = await self.transport.start(self.inbox, self.config.instance.data_address or None)
         self._expiry = self.supervisor.spawn(self._expire(), "the KV inbox expiry")
 

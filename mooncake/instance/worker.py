@@ -4,6 +4,7 @@ link to the conductor, the heartbeat with its load, and start/stop in order."""
 import asyncio
 import logging
 import os
+import socket
 
 from mooncake import messages as m
 from mooncake.config import MooncakeConfig
@@ -20,7 +21,8 @@ class Worker:
 
     def __init__(self, config: MooncakeConfig):
         self.config = config
-        self.instance_id = config.instance.instance_id or f"{self.role}-{os.getpid()}"
+        # NOTE: the host name keeps default ids apart across containers, where every PID may be 1.
+        self.instance_id = config.instance.instance_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
         self.name = f"{self.role} instance {self.instance_id}"
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None

@@ -17,9 +17,8 @@ from mooncake.engine.sampling import SamplingParams
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
 from mooncake.instance.worker import Worker
 from mooncake.kv_payload import KVPayload
-from mooncake.registry import load_backend
 from mooncake.store.client import CacheClient
-from mooncake.transfer.contract import TransferError
+from mooncake.transfer.contract import TransferError, make_transport
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +48,10 @@ class PrefillWorker(Worker):
         self._deadlines: asyncio.Task | None = None
 
     async def start_role(self) -> None:
-        self.transport = load_backend("transports", self.config.instance.transport)()
+        self.transport = make_transport(self.config.instance.transport, self.config)
         await self.transport.start()
         if self.config.instance.use_cache_pool:
-            self.cache = CacheClient(self.config.cache_client)
+            self.cache = CacheClient(self.config.cache_client, lambda name: make_transport(name, self.config))
             try:
                 await self.cache.start()
             except TransferError as exc:

@@ -6,6 +6,7 @@ in order and then the rest, so a block stays readable while any replica lives.""
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import xxhash
@@ -15,7 +16,7 @@ import zmq.asyncio
 from mooncake import messages as m
 from mooncake.config import CacheClientConfig
 from mooncake.registry import load_backend
-from mooncake.transfer.contract import TransferError
+from mooncake.transfer.contract import TransferError, Transport
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,10 @@ class _Node:
 
 
 class CacheClient:
-    def __init__(self, config: CacheClientConfig):
+    def __init__(self, config: CacheClientConfig, make_transport: Callable[[str], Transport] | None = None):
         self.config = config
+        # How to build the transport a node names (its [transport] settings); default: the backend as is.
+        self.make_transport = make_transport or (lambda name: load_backend("transports", name)())
         self.ctx = zmq.asyncio.Context()
         self.nodes: list[_Node] = []
         self.transports: dict[str, object] = {}
@@ -58,7 +61,7 @@ class CacheClient:
             log.warning("cache node %s is down: %s", node.control_address, exc)
             return
         if reply.transport not in self.transports:
-            transport = load_backend("transports", reply.transport)()
+            transport = self.make_transport(reply.transport)
             await transport.start()
             self.transports[reply.transport] = transport
         node.hello = reply

@@ -12,10 +12,10 @@ import zmq.asyncio
 from mooncake import messages as m
 from mooncake.config import MooncakeConfig
 from mooncake.errors import CapacityError, MooncakeError
-from mooncake.registry import load_backend
+from mooncake.addresses import advertise_host, advertised
 from mooncake.runtime import Supervisor
 from mooncake.store.store import KVStore
-from mooncake.transfer.contract import BlockLocation
+from mooncake.transfer.contract import BlockLocation, make_transport
 from mooncake.transfer.windows import WriteWindows
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,8 @@ class CacheServer:
         cfg = self.config.cache
         # NOTE: over shm, the DRAM tier lives in shared memory so same-host readers copy out of it directly.
         self.store = KVStore(self.config.store, shared_dram=cfg.transport == "shm")
-        self.transport = load_backend("transports", cfg.transport)()
+        self.host = advertise_host(self.config)
+        self.transport = make_transport(cfg.transport, self.config)
         self.service = StoreService(self.store, cfg.read_lease_s)
         self.data_address = await self.transport.start(self.service, cfg.data_address or None)
         self.ctx = zmq.asyncio.Context()
@@ -147,7 +148,7 @@ class CacheServer:
         cfg = self.config.cache
         if isinstance(request, m.Hello):
             return m.HelloReply(node_id=cfg.node_id, transport=cfg.transport, data_address=self.data_address,
-                                events_address=cfg.events_address)
+                                events_address=advertised(cfg.events_address, self.host))
         if isinstance(request, m.Exists):
             return m.ExistsReply(tiers=[self.store.exists(k) for k in request.keys])
         if isinstance(request, m.MatchPrefix):

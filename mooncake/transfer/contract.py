@@ -80,6 +80,12 @@ class Transport(ABC):
 
     name: str
 
+    @classmethod
+    def from_config(cls, config, host: str) -> "Transport":
+        """This backend set up from a [transport] table (`TransportConfig`); `host` is where its endpoint
+        listens and what peers are told. Backends with settings of their own override this."""
+        return cls(host=host)
+
     @abstractmethod
     async def start(self, service: BlockService | None = None, address: str | None = None) -> str:
         """Start; with a `service`, also serve peers. Returns the address peers use for this endpoint."""
@@ -121,3 +127,11 @@ os.register_at_fork(after_in_child=_new_id_prefix)
 
 def new_request_id() -> str:
     return f"{_id_prefix}{next(_id_counter):x}"
+
+
+def make_transport(name: str, config) -> Transport:
+    """The transport registered as `name`, built from a MooncakeConfig's [transport] table, listening on
+    and advertising this host's address (mooncake/addresses.py)."""
+    from mooncake.addresses import advertise_host
+    from mooncake.registry import load_backend
+    return load_backend("transports", name).from_config(config.transport, advertise_host(config))
