@@ -79,10 +79,13 @@ def serve(
     from mooncake.config import load_config
     from mooncake.errors import ConfigError
     from mooncake.runtime import run_service
+    from mooncake.security import configure
 
     if role not in ROLES:
         raise ConfigError(f"unknown role '{role}': choose one of {', '.join(ROLES)}")
-    run_service(make_role(role, load_config(config)))
+    cfg = load_config(config)
+    configure(cfg)  # the cluster's keys for every socket of this process, or loopback only
+    run_service(make_role(role, cfg))
 
 
 def make_role(role: str, cfg):
@@ -134,6 +137,18 @@ def dev(
     cfg = load_config(config, overrides)
     resolve_model(cfg.engine.model)  # fetch once here, not in every process at the same time
     run_dev(DevCluster(cfg, prefill, decode, cache, workdir), timeout, question)
+
+
+keys_app = typer.Typer(no_args_is_help=True, help="The cluster's CURVE keys.")
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("generate")
+def keys_generate(directory: Path = typer.Argument(..., help="Where to write the key pair (created 0700).")):
+    """Make the cluster's key pair: DIR/cluster.key_secret (mode 0600) and DIR/cluster.key. Copy DIR to
+    every host of the cluster and set security.keys_dir to it in every role's config."""
+    from mooncake.security import generate_keys
+    print(generate_keys(directory))
 
 
 @app.command()

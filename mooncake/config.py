@@ -200,6 +200,14 @@ class InstanceConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """Who may talk to the cluster (mooncake/security.py): CURVE with the cluster's key pair."""
+
+    keys_dir: str = ""  # `mooncake keys generate DIR`; every role of the cluster needs the same pair
+    insecure: bool = False  # run without keys beyond loopback: only on a network you trust entirely
+
+
+@dataclass(frozen=True)
 class SimConfig:
     """`mooncake simulate`: the simulated cluster (DESIGN section 8). Blocks are the trace's 512 tokens."""
 
@@ -242,6 +250,7 @@ class MooncakeConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     cache_client: CacheClientConfig = field(default_factory=CacheClientConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     instance: InstanceConfig = field(default_factory=InstanceConfig)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from mooncake.config import MooncakeConfig, dump_config
 from mooncake.errors import MooncakeError
+from mooncake.security import generate_keys
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,14 @@ class DevCluster:
         caches = [(f"cache-{i}", f"tcp://127.0.0.1:{next(ports)}", f"tcp://127.0.0.1:{next(ports)}")
                   for i in range(num_cache)]
         api_port = config.api.port or free_port()
+        keys_dir = config.security.keys_dir
+        if not keys_dir:  # NOTE: the shipped path is the tested path: a dev cluster runs with keys too
+            keys_dir = str(self.workdir / "keys")
+            if not (self.workdir / "keys" / "cluster.key_secret").exists():
+                generate_keys(keys_dir)
         base = dataclasses.replace(
             config,
+            security=dataclasses.replace(config.security, keys_dir=keys_dir),
             conductor=dataclasses.replace(config.conductor, control_address=conductor_address),
             api=dataclasses.replace(config.api, port=api_port),
             cache_client=dataclasses.replace(config.cache_client, nodes=tuple(c[1] for c in caches),

@@ -11,6 +11,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from mooncake import security
 from mooncake.addresses import advertised
 from mooncake.transfer.contract import BlockResult, BlockService, TransferError, TransferResult, Transport, \
     new_request_id
@@ -66,7 +67,8 @@ class TcpTransport(Transport):
         if service is not None:
             # A plain (not asyncio) socket read from a loop reader callback: handling a request is
             # synchronous anyway, and this skips a future and a task wake-up per message.
-            self._server = zmq.Socket(zmq.Context.shadow(self.ctx.underlying), zmq.ROUTER)
+            self._server = security.server(zmq.Socket(zmq.Context.shadow(self.ctx.underlying), zmq.ROUTER),
+                                           security.DATA_MAX_BYTES)
             self._server.setsockopt(zmq.LINGER, 0)
             try:
                 self._server.bind(address or f"tcp://{self.host}:*")
@@ -187,7 +189,8 @@ class TcpTransport(Transport):
     def _socket(self, peer: str) -> zmq.Socket:
         """This endpoint's DEALER to `peer`: a plain socket whose replies a loop reader callback reads."""
         if peer not in self._peers:
-            sock = zmq.Socket(zmq.Context.shadow(self.ctx.underlying), zmq.DEALER)
+            sock = security.client(zmq.Socket(zmq.Context.shadow(self.ctx.underlying), zmq.DEALER),
+                                   security.DATA_MAX_BYTES)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(peer)
             self._loop = self._loop or asyncio.get_running_loop()
@@ -294,6 +297,7 @@ class TcpTransport(Transport):
             self._loop.remove_reader(self._server.getsockopt(zmq.FD))
             self._server.close(linger=0)
         self._peers.clear()
+        security.release(self.ctx)
         self.ctx.term()
 
 

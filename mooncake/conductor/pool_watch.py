@@ -9,6 +9,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake import messages as m
+from mooncake import security
 from mooncake.conductor.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class PoolWatcher:
     async def _ask(self, address: str, request):
         """One request/reply with a node on a fresh socket (so a late reply never answers the next
         question); None if it did not answer in time."""
-        sock = self.ctx.socket(zmq.DEALER)
+        sock = security.client(self.ctx.socket(zmq.DEALER))
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         try:
@@ -70,7 +71,7 @@ class PoolWatcher:
         self.node_ids[address] = hello.node_id
         if self.on_stats is not None:
             self._tasks.append(asyncio.create_task(self._poll_stats(address, hello.node_id)))
-        sub = self.ctx.socket(zmq.SUB)
+        sub = security.client(self.ctx.socket(zmq.SUB))
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(hello.events_address)

@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake import messages as m
+from mooncake import security
 from mooncake.conductor.admission import make_admission_policy
 from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
 from mooncake.conductor.metrics import ConductorMetrics
@@ -128,7 +129,7 @@ class Conductor:
         self.max_model_len = min(self.config.engine.max_model_len or max_positions, max_positions)
         self.block_bytes = self._kv_bytes_per_token() * self.block_size
         self.ctx = zmq.asyncio.Context()
-        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router = security.server(self.ctx.socket(zmq.ROUTER))
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
@@ -156,6 +157,7 @@ class Conductor:
             await self.pool.stop()
         if self.ctx is not None:
             self.router.close(linger=0)
+            security.release(self.ctx)
             self.ctx.term()
             self.ctx = None
 

@@ -10,6 +10,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake import messages as m
+from mooncake import security
 from mooncake.errors import MooncakeError
 from mooncake.runtime import Supervisor
 
@@ -29,7 +30,7 @@ class ConductorLink:
         self.registered = asyncio.Event()
         self.supervisor = supervisor  # a refusal or a dead loop ends the instance through it
         self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock = security.client(self.ctx.socket(zmq.DEALER))
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, register.instance_id.encode())
         self._tasks: list[asyncio.Task] = []

@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake import messages as m
+from mooncake import security
 from mooncake.config import CacheClientConfig
 from mooncake.registry import load_backend
 from mooncake.transfer.contract import TransferError, Transport
@@ -46,7 +47,7 @@ class CacheClient:
         if not self.config.nodes:
             raise TransferError("no cache nodes configured (cache_client.nodes is empty)")
         for address in self.config.nodes:
-            sock = self.ctx.socket(zmq.DEALER)
+            sock = security.client(self.ctx.socket(zmq.DEALER))
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
             self.nodes.append(_Node(address, sock, asyncio.Lock()))
@@ -75,7 +76,7 @@ class CacheClient:
             except asyncio.TimeoutError:
                 # The socket may now hold a late reply; a fresh one keeps later calls in step.
                 node.socket.close(linger=0)
-                node.socket = self.ctx.socket(zmq.DEALER)
+                node.socket = security.client(self.ctx.socket(zmq.DEALER))
                 node.socket.setsockopt(zmq.LINGER, 0)
                 node.socket.connect(node.control_address)
                 raise TransferError(f"cache node {node.control_address}: no answer to {request.TAG!r} within "

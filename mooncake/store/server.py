@@ -10,6 +10,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake import messages as m
+from mooncake import security
 from mooncake.config import MooncakeConfig
 from mooncake.errors import CapacityError, MooncakeError
 from mooncake.addresses import advertise_host, advertised
@@ -94,8 +95,8 @@ class CacheServer:
         self.service = StoreService(self.store, cfg.read_lease_s)
         self.data_address = await self.transport.start(self.service, cfg.data_address or None)
         self.ctx = zmq.asyncio.Context()
-        self.control = self.ctx.socket(zmq.ROUTER)
-        self.events = self.ctx.socket(zmq.PUB)
+        self.control = security.server(self.ctx.socket(zmq.ROUTER))
+        self.events = security.server(self.ctx.socket(zmq.PUB))
         for sock, key, address in ((self.control, "cache.control_address", cfg.control_address),
                                    (self.events, "cache.events_address", cfg.events_address)):
             sock.setsockopt(zmq.LINGER, 0)
@@ -120,6 +121,7 @@ class CacheServer:
         if self.ctx is not None:
             for sock in (self.control, self.events):
                 sock.close(linger=0)
+            security.release(self.ctx)
             self.ctx.term()
             self.ctx = None
         if self.store is not None:

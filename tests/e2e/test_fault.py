@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from mooncake import messages as m
+from mooncake import security
 from tests.e2e.conftest import E2E_SETTINGS, make_cluster, metrics, post
 
 
@@ -21,7 +22,8 @@ def cluster(tiny_dir, tmp_path_factory):
 
 
 def cache_stats(cluster) -> dict:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock = security.client(zmq.Context.instance().socket(zmq.DEALER),
+                           keys=security.load_keys(cluster.config.security.keys_dir))
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(cluster.config.cache_client.nodes[0])
     try:

@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake import messages as m
+from mooncake import security
 from mooncake.config import CacheClientConfig
 from mooncake.store.client import CacheClient
 
@@ -30,14 +31,16 @@ class CacheNode:
     """One `mooncake serve --role cache` process on loopback; ended by its PID."""
 
     def __init__(self, tmp_path, name="cache-0", transport="tcp", dram_bytes=1 << 24, ssd_bytes=0,
-                 ssd_dir=None):
+                 ssd_dir=None, keys_dir=None):
         self.control = f"tcp://127.0.0.1:{free_port()}"
         self.events = f"tcp://127.0.0.1:{free_port()}"
         ssd = f'ssd_dir = "{ssd_dir}"\nssd_bytes = {ssd_bytes}\n' if ssd_dir else ""
         self.config = tmp_path / f"{name}.toml"
         self.config.write_text(f'[store]\ndram_bytes = {dram_bytes}\n{ssd}\n[cache]\nnode_id = "{name}"\n'
                                f'control_address = "{self.control}"\nevents_address = "{self.events}"\n'
-                               f'transport = "{transport}"\nevent_interval_s = 0.02\n')
+                               f'transport = "{transport}"\nevent_interval_s = 0.02\n'
+                               + (f'[security]\nkeys_dir = "{keys_dir}"\n' if keys_dir else ""))
+        self.keys = security.load_keys(keys_dir) if keys_dir else None
         self.log = tmp_path / f"{name}.log"
         self.proc = None
 
@@ -53,7 +56,7 @@ class CacheNode:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()
-            sock = ctx.socket(zmq.DEALER)
+            sock = security.client(ctx.socket(zmq.DEALER), keys=self.keys)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.control)
             sock.send(m.encode(m.Hello()))
