@@ -5,13 +5,16 @@ of the cluster holds. Every server socket (the conductor's control socket, a cac
 event sockets, each transport endpoint) is a CURVE server with that key, and a ZAP handler on its ZeroMQ
 context admits a client only if it presents the cluster's public key, which the CURVE handshake makes it
 prove it holds the secret for. So a peer without the keys cannot open a connection at all: it gets no
-reply and changes nothing. Every socket also has a `ZMQ_MAXMSGSIZE`, so no peer can make a role buffer a
+reply and changes nothing. A transport's data sockets carry a keyed MAC on each message instead of
+CURVE, which costs too much there (`seal`). Every socket also has a `ZMQ_MAXMSGSIZE`, so no peer can make a role buffer a
 frame of any size.
 
 The keys are a property of the process: the role's start calls `configure` once; the sockets made
 afterwards (`server`, `client`) use them. Without keys a role runs only on loopback, unless
 `security.insecure` says otherwise."""
 
+import hashlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -39,6 +42,8 @@ class ClusterKeys(NamedTuple):
 
 
 _keys: ClusterKeys | None = None
+_mac_key: bytes | None = None  # seals transport headers (below); derived from the cluster's secret key
+MAC_BYTES = 16
 _authenticators: dict[int, ThreadAuthenticator] = {}  # by ZeroMQ context handle
 
 
@@ -71,9 +76,11 @@ def load_keys(directory: str | Path) -> ClusterKeys:
 def configure(config) -> None:
     """Load this process's keys from a MooncakeConfig's [security] table, or refuse to run without them
     on an address beyond loopback (unless security.insecure)."""
-    global _keys
+    global _keys, _mac_key
     sec = config.security
     _keys = load_keys(sec.keys_dir) if sec.keys_dir else None
+    _mac_key = None if _keys is None else hashlib.blake2b(
+        b"mooncake transport header MAC", key=zmq.utils.z85.decode(_keys.secret), digest_size=32).digest()
     if _keys is None:
         exposed = sorted(a for a in _addresses(config) if not _is_loopback(a))
         if exposed and not sec.insecure:
@@ -86,18 +93,19 @@ def configure(config) -> None:
 
 def reset() -> None:
     """Forget the process's keys (tests)."""
-    global _keys
-    _keys = None
+    global _keys, _mac_key
+    _keys = _mac_key = None
 
 
 def is_secured() -> bool:
     return _keys is not None
 
 
-def server(sock: zmq.Socket, max_bytes: int = CONTROL_MAX_BYTES) -> zmq.Socket:
-    """Set up a socket that binds: a CURVE server admitting only the cluster, when keys are configured."""
+def server(sock: zmq.Socket, max_bytes: int = CONTROL_MAX_BYTES, curve: bool = True) -> zmq.Socket:
+    """Set up a socket that binds: a CURVE server admitting only the cluster, when keys are configured
+    (`curve=False`: a transport's data socket, whose messages are sealed instead; see `seal`)."""
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
-    if _keys is not None:
+    if _keys is not None and curve:
         _authenticate(sock.context)
         sock.curve_secretkey = _keys.secret
         sock.curve_publickey = _keys.public
@@ -106,16 +114,35 @@ def server(sock: zmq.Socket, max_bytes: int = CONTROL_MAX_BYTES) -> zmq.Socket:
     return sock
 
 
-def client(sock: zmq.Socket, max_bytes: int = CONTROL_MAX_BYTES, keys: ClusterKeys | None = None) -> zmq.Socket:
+def client(sock: zmq.Socket, max_bytes: int = CONTROL_MAX_BYTES, keys: ClusterKeys | None = None,
+           curve: bool = True) -> zmq.Socket:
     """Set up a socket that connects: a CURVE client with the cluster key, when keys are configured (or
     with `keys`, for a tool that talks to a cluster it is not a role of)."""
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     keys = keys or _keys
-    if keys is not None:
+    if keys is not None and curve:
         sock.curve_secretkey = keys.secret
         sock.curve_publickey = keys.public
         sock.curve_serverkey = keys.public
     return sock
+
+
+def seal(header) -> bytes:
+    """The MAC of a transport message's header under the cluster key (b"" without keys).
+
+    NOTE: why not CURVE on the KV data path: encrypting every block cut tcp throughput between two hosts
+    to 0.33-0.70x (scripts/bench_transfer.py --netns). Instead each message carries a keyed BLAKE2b MAC
+    of its header, which names every block's key, size and xxh3 checksum, and the receiver verifies each
+    block against those: a peer without the key can make no endpoint take or answer anything, at the cost
+    of hashing a header. Block bytes travel in the clear, as over RDMA."""
+    if _mac_key is None:
+        return b""
+    return hashlib.blake2b(header, key=_mac_key, digest_size=MAC_BYTES).digest()
+
+
+def is_sealed(mac, header) -> bool:
+    """Whether `mac` is `header`'s MAC under the cluster key (always, without keys)."""
+    return _mac_key is None or hmac.compare_digest(bytes(mac), seal(header))
 
 
 def release(ctx: zmq.Context) -> None:

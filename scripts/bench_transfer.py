@@ -4,7 +4,11 @@
 Rows: memcpy in one process (the physical limit), raw ZeroMQ request/reply with zero-copy frames (the
 baseline for our tcp transport), each of our transports (send = put into the peer, fetch = get from it),
 and our store's put and get from a client process through a `mooncake serve --role cache` node. Payloads
-of 1, 4 and 16 MiB and one block of the default model. Prints a table, writes JSON."""
+of 1, 4 and 16 MiB and one block of the default model. Prints a table, writes JSON.
+
+`--netns`: the same rows for raw ZeroMQ, tcp and mooncake between two hosts made of network namespaces
+(mooncake/netns.py; root), each with authentication off and on (CURVE with a cluster key pair, as the
+roles run it), and what authentication costs: the data path's price of "only the cluster talks"."""
 
 import argparse
 import asyncio
@@ -24,7 +28,8 @@ import zmq.asyncio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mooncake.config import CacheClientConfig  # noqa: E402
+from mooncake import security  # noqa: E402
+from mooncake.config import CacheClientConfig, load_config  # noqa: E402
 from mooncake.registry import load_backend  # noqa: E402
 from mooncake.runtime import tune_allocator  # noqa: E402
 
@@ -53,8 +58,8 @@ class Sink:
 
 # -- peer process ----------------------------------------------------------------------------------
 
-async def serve_transport(name: str, sizes: list[int]) -> None:
-    transport = load_backend("transports", name)()
+async def serve_transport(name: str, sizes: list[int], host: str = "127.0.0.1") -> None:
+    transport = load_backend("transports", name)(host=host)
     sink = Sink()
     for size in sizes:  # blocks the client will fetch
         sink.blocks[size] = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8).tobytes()
@@ -63,11 +68,11 @@ async def serve_transport(name: str, sizes: list[int]) -> None:
     await transport.stop()
 
 
-def serve_raw_zmq() -> None:
+def serve_raw_zmq(host: str = "127.0.0.1") -> None:
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    print(f"tcp://127.0.0.1:{port}", flush=True)
+    sock = security.server(ctx.socket(zmq.ROUTER), security.DATA_MAX_BYTES)  # CURVE iff keys are set
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    print(f"tcp://{host}:{port}", flush=True)
     while True:
         identity, *frames = sock.recv_multipart(copy=False)
         sock.send_multipart([identity, b"ok"])
@@ -132,9 +137,11 @@ def bench_mooncake_store(sizes: list[int], budget: int) -> dict | None:
         master.wait(timeout=10)
 
 
-def spawn(*args) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, cwd=ROOT)
+def spawn(*args, netns: str | None = None) -> tuple[subprocess.Popen, str]:
+    """This script as a peer process (in network namespace `netns`, if given); its first line of output."""
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    proc = subprocess.Popen([*prefix, sys.executable, __file__, *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
     return proc, proc.stdout.readline().strip()
 
 
@@ -175,7 +182,7 @@ def bench_memcpy(size: int, budget: int) -> float:
 def bench_raw_zmq(address: str, size: int, budget: int, in_flight: int = 1) -> float:
     """Request/reply with zero-copy frames and no checks, at most `in_flight` requests outstanding."""
     ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+    sock = security.client(ctx.socket(zmq.DEALER), security.DATA_MAX_BYTES)  # CURVE iff keys are set
     sock.connect(address)
     payload = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8).tobytes()
     n = iterations(size, budget)
@@ -194,10 +201,11 @@ def bench_raw_zmq(address: str, size: int, budget: int, in_flight: int = 1) -> f
     return rate(size, elapsed, n)
 
 
-async def bench_transport(name: str, address: str, size: int, budget: int, window: int) -> dict[str, float]:
+async def bench_transport(name: str, address: str, size: int, budget: int, window: int,
+                          host: str = "127.0.0.1") -> dict[str, float]:
     """send and fetch rates, one transfer at a time and with `window` in flight (a stream of blocks, as
     prefill pushes KV chunk after chunk: one side stages the next while the other verifies this one)."""
-    client = load_backend("transports", name)()
+    client = load_backend("transports", name)(host=host)
     await client.start()
     payload = np.random.default_rng(2).integers(0, 255, size, dtype=np.uint8).tobytes()
     n = iterations(size, budget)
@@ -308,6 +316,93 @@ def measure(args, sizes: list[int], budget: int) -> dict[int, dict[str, float]]:
     return table
 
 
+# -- between network namespaces, authentication off and on ---------------------------------------------
+
+def use_keys(keys_dir: str | None) -> None:
+    """This process's sockets use CURVE with the cluster key pair in `keys_dir` (None: no keys)."""
+    security.reset()
+    if keys_dir:
+        security.configure(load_config(None, {"security.keys_dir": keys_dir}))
+
+
+def measure_netns(args, sizes: list[int], budget: int, server_netns: str, server_host: str,
+                  client_host: str) -> dict[int, dict[str, float]]:
+    """One pass, run in the client's namespace: raw ZeroMQ and each transport to a peer process in the
+    server's namespace, with authentication off and then on."""
+    table = {size: {} for size in sizes}
+    names = [n for n in args.transports.split(",") if n in ("tcp", "mooncake")]
+    for auth in ("off", "on"):
+        use_keys(args.keys if auth == "on" else None)
+        keys = ["--keys", args.keys] if auth == "on" else []
+        proc, address = spawn("--serve", "raw-zmq", "--host", server_host, *keys, netns=server_netns)
+        for size in sizes:
+            table[size][f"raw_zmq_auth_{auth}"] = bench_raw_zmq(address, size, budget)
+            table[size][f"raw_zmq_x{args.window}_auth_{auth}"] = bench_raw_zmq(address, size, budget, args.window)
+        proc.kill()
+        proc.wait()
+        for name in names:
+            proc, address = spawn("--serve", name, "--host", server_host, *keys, netns=server_netns)
+            if not address:
+                print(f"transport {name}: peer did not start (is it installed?); skipped", file=sys.stderr)
+                end(proc)
+                continue
+            for size in sizes:
+                rates = asyncio.run(bench_transport(name, address, size, budget, args.window, client_host))
+                for label, value in rates.items():
+                    table[size][f"{name}_{label}_auth_{auth}"] = value
+            end(proc)
+    use_keys(None)
+    return table
+
+
+def run_netns(args) -> None:
+    """Build two namespace hosts, and run this script's client side in host 1 against peers in host 0."""
+    import tempfile
+
+    from mooncake.netns import NetnsLab, netns_unavailable
+    if (why := netns_unavailable()) is not None:
+        raise SystemExit(f"--netns: {why}")
+    with tempfile.TemporaryDirectory(prefix="bench-keys-") as tmp, NetnsLab(2) as lab:
+        keys = security.generate_keys(Path(tmp) / "keys").parent
+        server, client = lab.hosts
+        argv = [sys.executable, __file__, "--netns-client", server.netns, server.address, client.address,
+                "--keys", str(keys), "--transports", args.transports, "--budget-mib", str(args.budget_mib),
+                "--window", str(args.window), "--repeat", str(args.repeat), "--out", args.out]
+        proc = lab.popen(client, argv, cwd=ROOT)
+        if proc.wait(timeout=3600) != 0:
+            raise SystemExit(f"the client in {client.netns} failed with status {proc.returncode}")
+
+
+def report_netns(table: dict[int, dict[str, float]], sizes: list[int], args) -> None:
+    w = args.window
+    columns = list(table[sizes[0]])
+    print(f"\nGB/s between two network-namespace hosts (veth + bridge), median of {args.repeat} pass(es). "
+          f"Authentication on: raw ZeroMQ with CURVE (encrypted); our transports as the roles run them, every "
+          f"message sealed with the cluster's MAC (mooncake/security.py)")
+    rows = list(dict.fromkeys(c.rsplit("_auth_", 1)[0] for c in columns))
+    print(f"{'row':>22}" + "".join(f"{size / MiB:>12.2f} MiB" for size in sizes))
+    for row in rows:
+        for auth in ("off", "on"):
+            cells = [table[size].get(f"{row}_auth_{auth}") for size in sizes]
+            print(f"{row + ' ' + auth:>22}" + "".join(f"{c:>16.2f}" if c is not None else f"{'-':>16}" for c in cells))
+    print("\nratios: ours (auth off, on) / raw ZeroMQ without auth between the same hosts (goal >= 0.9); "
+          "auth on / off, what authentication costs (CURVE for raw ZeroMQ, the MAC for ours)")
+    for size in sizes:
+        row, parts = table[size], []
+
+        def ratio(a: str, b: str) -> str:
+            return f"{row[a] / row[b]:.2f}x" if a in row and b in row else "-"
+        for name in ("tcp", "mooncake"):
+            for auth in ("off", "on"):
+                parts.append(f"{name} send {auth}/raw {ratio(f'{name}_send_auth_{auth}', 'raw_zmq_auth_off')} "
+                             f"(x{w} {ratio(f'{name}_send_x{w}_auth_{auth}', f'raw_zmq_x{w}_auth_off')})")
+        for name in ("raw_zmq", "tcp_send", "tcp_fetch", "mooncake_send", "mooncake_fetch"):
+            many = f"raw_zmq_x{w}" if name == "raw_zmq" else f"{name}_x{w}"
+            parts.append(f"{name} on/off {ratio(f'{name}_auth_on', f'{name}_auth_off')} "
+                         f"(x{w} {ratio(f'{many}_auth_on', f'{many}_auth_off')})")
+        print(f"{size / MiB:>7.2f} MiB: " + "; ".join(parts))
+
+
 def main() -> None:
     tune_allocator()  # every role process runs with it (mooncake/runtime.py), and so do these
     try:  # every role runs on uvloop (mooncake/runtime.py): measure on it too
@@ -320,24 +415,41 @@ def main() -> None:
     parser.add_argument("--budget-mib", type=int, default=512, help="bytes moved per measurement, about")
     parser.add_argument("--window", type=int, default=4, help="transfers in flight for the streaming rows")
     parser.add_argument("--repeat", type=int, default=1, help="passes over every row; each cell is their median")
-    parser.add_argument("--out", default="bench-results/transfer.json")
+    parser.add_argument("--out", help="JSON file (default: bench-results/transfer.json, with --netns "
+                        "bench-results/transfer-netns.json)")
+    parser.add_argument("--netns", action="store_true", help="between two network-namespace hosts (root), "
+                        "raw ZeroMQ, tcp and mooncake, authentication off and on")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--keys", help=argparse.SUPPRESS)
+    parser.add_argument("--netns-client", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--mc", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.out = args.out or f"bench-results/transfer{'-netns' if args.netns or args.netns_client else ''}.json"
     sizes = [1 * MiB, MODEL_BLOCK, 4 * MiB, 16 * MiB]
+    if args.netns:
+        return run_netns(args)
+    if args.serve:
+        use_keys(args.keys)
     if args.serve == "raw-zmq":
-        return serve_raw_zmq()
+        return serve_raw_zmq(args.host)
     if args.serve and args.serve.startswith("mc-store-"):
         master, metadata, budget = args.mc
         return serve_mooncake_store(args.serve.removeprefix("mc-store-"), master, metadata, sizes, int(budget))
     if args.serve:
-        return asyncio.run(serve_transport(args.serve, sizes))
+        return asyncio.run(serve_transport(args.serve, sizes, args.host))
 
     budget = args.budget_mib * MiB
-    runs = [measure(args, sizes, budget) for _ in range(args.repeat)]
+    if args.netns_client:
+        runs = [measure_netns(args, sizes, budget, *args.netns_client) for _ in range(args.repeat)]
+    else:
+        runs = [measure(args, sizes, budget) for _ in range(args.repeat)]
     # The median of each cell over the runs: this host is shared and a single pass is noisy.
     table = {size: {c: float(np.median([r[size][c] for r in runs if c in r[size]])) for c in runs[0][size]}
              for size in sizes}
+    if args.netns_client:
+        report_netns(table, sizes, args)
+        return write_json(table, args.out)
     columns = list(table[sizes[0]])
     widths = [max(15, len(c) + 2) for c in columns]
     print(f"\nGB/s between two processes on this host ({os.cpu_count()} cores), median of {args.repeat} pass(es)")
@@ -368,7 +480,11 @@ def main() -> None:
             parts.append(f"store put/Mooncake Store {row['store_put'] / row['mc_store_put']:.2f}x (>= 5), "
                          f"get {row['store_get'] / row['mc_store_get']:.2f}x (>= 3)")
         print(f"{size / MiB:>7.2f} MiB: " + "; ".join(parts))
-    out = ROOT / args.out
+    write_json(table, args.out)
+
+
+def write_json(table: dict, path: str) -> None:
+    out = ROOT / path
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({str(k): v for k, v in table.items()}, indent=2))
     print(f"\nwrote {out}")

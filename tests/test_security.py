@@ -150,3 +150,46 @@ def test_the_conductor_ignores_peers_without_the_cluster_key(tiny_dir, keyed):
     finally:
         member.close()
         served.close()
+
+
+@pytest.mark.parametrize("name", ["tcp", "shm", "mooncake"])
+def test_keyed_transports_move_blocks_and_ignore_unsealed_or_forged_messages(name, keyed):
+    import msgpack
+    import zmq.asyncio
+
+    from mooncake.registry import load_backend
+    from mooncake.transfer.framing import block_frames, pack_header
+    from tests.transfer.test_transport_contract import DictService, available
+    available(name)
+
+    async def unanswered(address, frames) -> bool:
+        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(address)
+        try:
+            await raw.send_multipart(frames)
+            return not await raw.poll(1000)
+        finally:
+            raw.close()
+
+    async def run():
+        cls = load_backend("transports", name)
+        service = DictService()
+        server, client = cls(), cls()
+        address = await server.start(service)
+        await client.start()
+        try:
+            assert (await client.send(address, [(1, b"sealed" * 50)], timeout_s=10)).ok
+            assert bytes(service.blocks[1]) == b"sealed" * 50
+            keys, sizes, sums, frames = block_frames([(2, b"poison" * 50)])
+            header = pack_header("put", "forged-1", keys=keys, sizes=sizes, sums=sums)
+            other = pack_header("put", "forged-1", keys=[3], sizes=sizes, sums=sums)
+            assert await unanswered(address, [b"", header, *frames])  # no MAC
+            assert await unanswered(address, [b"\0" * security.MAC_BYTES, header, *frames])  # a made-up one
+            assert await unanswered(address, [security.seal(other), header, *frames])  # another header's
+            assert 2 not in service.blocks and 3 not in service.blocks and server.refused == 3
+            assert msgpack.unpackb(header)["op"] == "put"
+        finally:
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())

@@ -59,6 +59,7 @@ class TcpTransport(Transport):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._peers: dict[str, zmq.Socket] = {}
         self._pending: dict[str, asyncio.Future] = {}
+        self.refused = 0  # messages without the cluster's MAC, ignored
         # What this endpoint served, per op: requests, block bytes, seconds spent handling them.
         self.served = {op: {"requests": 0, "bytes": 0, "seconds": 0.0} for op in ("put", "get")}
 
@@ -68,7 +69,7 @@ class TcpTransport(Transport):
             # A plain (not asyncio) socket read from a loop reader callback: handling a request is
             # synchronous anyway, and this skips a future and a task wake-up per message.
             self._server = security.server(zmq.Socket(zmq.Context.shadow(self.ctx.underlying), zmq.ROUTER),
-                                           security.DATA_MAX_BYTES)
+                                           security.DATA_MAX_BYTES, curve=False)  # sealed messages instead
             self._server.setsockopt(zmq.LINGER, 0)
             try:
                 self._server.bind(address or f"tcp://{self.host}:*")
@@ -96,14 +97,24 @@ class TcpTransport(Transport):
             if server is None or not _readable(server):
                 return
             identity, *frames = _recv_frames(server)
+            if not _unsealed(frames):  # not from the cluster: no reply, no effect
+                self._refuse(identity)
+                continue
+            frames = frames[1:]
             try:
                 reply = self._handle(frames)
             except Exception as exc:  # noqa: BLE001  a bad peer must not take the endpoint down
                 log.warning("%s transport %s: bad request from a peer: %s", self.name, self.address, exc)
                 reply = [pack_header("error", _request_id_of(frames), error=f"malformed request: {exc}")]
             if reply:  # one-way notices (release) get no reply; a ROUTER send never blocks
-                _send_frames(server, [identity, *reply])
+                _send_frames(server, [identity, security.seal(reply[0]), *reply])
         self._loop.call_soon(self._serve)  # more may be waiting: continue after other callbacks
+
+    def _refuse(self, identity: bytes) -> None:
+        self.refused += 1
+        if self.refused == 1 or self.refused % 1000 == 0:
+            log.warning("%s transport %s: ignored %d messages not sealed with the cluster key", self.name,
+                        self.address, self.refused)
 
     def _handle(self, frames) -> list:
         header = unpack_header(frames[0].buffer)
@@ -190,7 +201,7 @@ class TcpTransport(Transport):
         """This endpoint's DEALER to `peer`: a plain socket whose replies a loop reader callback reads."""
         if peer not in self._peers:
             sock = security.client(zmq.Socket(zmq.Context.shadow(self.ctx.underlying), zmq.DEALER),
-                                   security.DATA_MAX_BYTES)
+                                   security.DATA_MAX_BYTES, curve=False)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(peer)
             self._loop = self._loop or asyncio.get_running_loop()
@@ -202,6 +213,11 @@ class TcpTransport(Transport):
         """Hand every waiting reply to its request (drained until EVENTS shows none: see `_serve`)."""
         while _readable(sock):
             frames = _recv_frames(sock)
+            if not _unsealed(frames):
+                log.warning("%s transport: dropped a reply from %s that is not sealed with the cluster key",
+                            self.name, peer)
+                continue
+            frames = frames[1:]
             try:
                 header = unpack_header(frames[0].buffer)
             except ValueError as exc:
@@ -223,7 +239,7 @@ class TcpTransport(Transport):
         """Queue a message to `peer` (zmq.Again when its queue is full). A DEALER queues even before the
         peer is up, so only a full queue (high-water mark) can refuse it."""
         sock = self._socket(peer)
-        _send_frames(sock, frames)
+        _send_frames(sock, [security.seal(frames[0]), *frames])
         if _readable(sock):  # a send can consume the FD's edge: look now
             self._loop.call_soon(self._receive, peer, sock)
 
@@ -304,6 +320,11 @@ class TcpTransport(Transport):
 def _expire(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _unsealed(frames: list[zmq.Frame]) -> bool:
+    """A message is [MAC of the header, header, blocks...]: is its MAC right (always, without keys)?"""
+    return len(frames) >= 2 and security.is_sealed(frames[0].buffer, frames[1].buffer)
 
 
 def _request_id_of(frames) -> str:

@@ -1,6 +1,7 @@
-"""Wire framing shared by the message-based transports: a msgpack header frame, then one frame per
-block. Headers carry the op, the request id, keys, sizes and xxh3 checksums; the receiver of data
-verifies every block before using it.
+"""Wire framing shared by the message-based transports: a MAC frame (the header's, under the cluster
+key, mooncake/security.py; empty without keys), a msgpack header frame, then one frame per block.
+Headers carry the op, the request id, keys, sizes and xxh3 checksums; the receiver of data verifies
+every block before using it.
 
 `tamper` is a fault-injection hook for tests: applied to outgoing block bytes after checksumming."""
 
@@ -11,7 +12,8 @@ import msgpack
 from mooncake.hashing import checksum
 from mooncake.transfer.contract import BlockResult
 
-WIRE_VERSION = 2  # 2: checksums are two-level above one chunk (mooncake/hashing.py)
+WIRE_VERSION = 3  # 2: checksums two-level above one chunk (mooncake/hashing.py); 3: a MAC frame first
+# NOTE: a message is [MAC, header, block...]; the MAC (mooncake/security.py `seal`) is empty without keys.
 Tamper = Callable[[int, bytes], bytes] | None
 
 

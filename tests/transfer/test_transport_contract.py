@@ -136,12 +136,14 @@ def test_dead_peer_is_a_clear_error_within_the_deadline(name):
 
 
 async def raw_reply(address: str, frames: list[bytes]) -> dict:
-    """Send `frames` from a bare DEALER socket, as a foreign peer would, and decode the reply header."""
+    """Send `frames` from a bare DEALER socket, as a foreign peer would (with the empty MAC of a cluster
+    without keys), and decode the reply header."""
     raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     raw.connect(address)
     try:
-        await raw.send_multipart(frames)
-        return msgpack.unpackb(await asyncio.wait_for(raw.recv(), 5))
+        await raw.send_multipart([b"", *frames])
+        _mac, header, *_ = await asyncio.wait_for(raw.recv_multipart(), 5)
+        return msgpack.unpackb(header)
     finally:
         raw.close(linger=0)
 
