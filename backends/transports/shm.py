@@ -33,6 +33,26 @@ from mooncake.transfer.windows import WriteWindows
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
 
+def _boot_id() -> str:
+    """This kernel's boot id: two endpoints share /dev/shm only if they run on one kernel."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+BOOT_ID = _boot_id()
+
+
+def check_same_host(header: dict, peer: str | None = None) -> None:
+    """Refuse a shared-memory locator from another host, with a message that says what to use instead."""
+    if header.get("boot", BOOT_ID) != BOOT_ID:
+        who = f"peer {peer}" if peer else "the sending peer"
+        raise TransferError(f"shm transport: {who} runs on another host, and shared memory works only "
+                            f"between roles on one host; select tcp or mooncake (instance.transport, "
+                            f"cache.transport) across hosts")
+
+
 def open_private(path: Path | str):
     """A new segment file, mode 0600: only processes of our own user may map the blocks in it."""
     return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "w+b")
@@ -88,7 +108,7 @@ class ShmTransport(StagedTransport):
         return cls(host=host, segment_bytes=config.shm_segment_bytes)
 
     def _locator(self):
-        return {"shm": str(self.path)}
+        return {"shm": str(self.path), "boot": BOOT_ID}
 
     def _peer_view(self, path_text: str, writable: bool = False) -> memoryview:
         mapping = self._peer_maps.get((path_text, writable))
@@ -110,7 +130,7 @@ class ShmTransport(StagedTransport):
         # peer straight from there; the store's lease keeps them in place meanwhile.
         if self.tamper or not located or any(loc.shm_path is None for _, loc in located):
             return super()._outgoing_located(located, request_id)
-        return {"keys": [k for k, _ in located], "sums": [loc.checksum for _, loc in located],
+        return {"boot": BOOT_ID, "keys": [k for k, _ in located], "sums": [loc.checksum for _, loc in located],
                 "sizes": [len(memoryview(loc.data).cast("B")) for _, loc in located],
                 "locs": [[loc.shm_path, loc.offset] for _, loc in located]}, []
 
@@ -127,6 +147,7 @@ class ShmTransport(StagedTransport):
 
     @contextmanager
     def _incoming(self, header, frames):
+        check_same_host(header)
         if "locs" in header:
             places = [(self._peer_view(path), offset) for path, offset in header["locs"]]
         else:
@@ -164,7 +185,7 @@ class ShmTransport(StagedTransport):
         op, lender = header["op"], self._lender
         if op == "open-window":
             opened = lender.open_window(int(header["want"]), int(header["need"])) if lender is not None else None
-            fields = {"supported": lender is not None}
+            fields = {"supported": lender is not None, "boot": BOOT_ID}
             if opened is not None:
                 fields.update(zip(("window", "shm", "offset", "size", "ttl_s"), opened))
             return [pack_header("window-reply", request_id, **fields)]
@@ -255,6 +276,7 @@ class ShmTransport(StagedTransport):
                     return None
                 if header.get("window") is None:  # no room now: this put goes the usual way
                     return None
+                check_same_host(header, peer)
                 view = self._peer_view(header["shm"], writable=True)
                 window = _Window(header["window"], header["shm"], view, header["offset"] + header["size"],
                                  header["offset"], float(header["ttl_s"]), 0.0)

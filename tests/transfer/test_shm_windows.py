@@ -6,6 +6,7 @@ import gc
 import os
 
 import numpy as np
+import pytest
 
 from backends.transports.shm import ShmTransport
 from tests.transfer.conftest import KeepingService
@@ -82,3 +83,12 @@ def test_blocks_a_service_still_holds_stay_readable_after_its_transport_stops():
         assert not server.path.exists()
         assert bytes(service.blocks[1]) == block
     asyncio.run(run())
+
+
+def test_a_locator_from_another_host_is_refused_naming_the_transports_to_use():
+    from backends.transports.shm import BOOT_ID, check_same_host
+    from mooncake.transfer.contract import TransferError
+    assert BOOT_ID  # every shm locator and window reply carries it
+    check_same_host({"boot": BOOT_ID}, "tcp://198.18.0.12:7800")
+    with pytest.raises(TransferError, match=r"peer tcp://198.18.0.12:7800 runs on another host.*tcp or mooncake"):
+        check_same_host({"boot": "another-kernel"}, "tcp://198.18.0.12:7800")
