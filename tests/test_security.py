@@ -2,6 +2,7 @@
 getting no reply and changing nothing at the conductor, a cache node and a transport endpoint."""
 
 import asyncio
+import signal
 import stat
 
 import pytest
@@ -79,9 +80,11 @@ def answered(sock, msg, wait_s=1.0):
 @pytest.fixture
 def cache_node(tmp_path, keys_dir):
     from tests.store.test_cache_role import CacheNode
-    node = CacheNode(tmp_path, keys_dir=keys_dir).start()
-    yield node
-    node.stop()
+    node = CacheNode(tmp_path, keys_dir=keys_dir)
+    try:
+        yield node.start()
+    finally:  # also when it never came up: end the process we started
+        node.stop(signal.SIGKILL)
 
 
 def test_a_cache_node_ignores_peers_without_the_cluster_key(cache_node, keyed, keys_dir, tmp_path):

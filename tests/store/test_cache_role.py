@@ -79,7 +79,7 @@ def nodes(tmp_path):
 
     def make(**kw):
         node = CacheNode(tmp_path, name=f"cache-{len(started)}", **kw)
-        started.append(node)
+        started.append(node)  # before start: one that never comes up is ended all the same
         return node.start()
     yield make
     for node in started:
