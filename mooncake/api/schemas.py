@@ -46,6 +46,39 @@ class ModelLimits:
 _MISSING = object()
 
 
+def check_model(model: str, limits: ModelLimits) -> str:
+    """`model` if this server serves it; else a 404 model_not_found, as OpenAI and vLLM answer."""
+    if model not in limits.names:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{limits.names[0]}'",
+                       "model", "model_not_found")
+    return model
+
+
+def parse_tokenize(body, tokenizer, limits: ModelLimits) -> list[int]:
+    """vLLM's /tokenize body: {"model", "prompt"} or {"model", "messages"} (chat template applied)."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    if "model" in body:
+        check_model(_field(body, "model", (str,)), limits)
+    if "messages" in body:
+        return chat_prompt_ids(body, tokenizer)
+    prompt = _field(body, "prompt", (str,))
+    add_special = _field(body, "add_special_tokens", (bool,), True)
+    return tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
+
+
+def parse_detokenize(body, limits: ModelLimits) -> list[int]:
+    """vLLM's /detokenize body: {"model", "tokens": [ids]}."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    if "model" in body:
+        check_model(_field(body, "model", (str,)), limits)
+    tokens = _field(body, "tokens", (list,))
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limits.vocab_size for t in tokens):
+        raise bad(f"'tokens' must be token ids in [0, {limits.vocab_size})", "tokens", "invalid_value")
+    return tokens
+
+
 def _field(body: dict, name: str, kinds, default=_MISSING, what: str = ""):
     value = body.get(name, _MISSING)
     if value is _MISSING or value is None:
@@ -77,10 +110,7 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_key: str,
             default_max_tokens: int) -> ParsedRequest:
-    model = _field(body, "model", (str,))
-    if model not in limits.names:
-        raise ApiError(400, f"the model '{model}' does not exist; this server serves '{limits.names[0]}'",
-                       "model", "model_not_found")
+    model = check_model(_field(body, "model", (str,)), limits)
     for name, allowed in (("n", (1,)), ("best_of", (1,)), ("echo", (False,)), ("logprobs", (None, False)),
                           ("top_logprobs", (None,)), ("presence_penalty", (0, 0.0)),
                           ("frequency_penalty", (0, 0.0)), ("logit_bias", (None, {})), ("suffix", (None,))):
@@ -141,6 +171,12 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 def parse_chat(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    ids = chat_prompt_ids(body, tokenizer)
+    return _common(body, limits, ids, "max_completion_tokens", limits.default_max_tokens)
+
+
+def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
+    """The token ids of a chat request's `messages`, through the model's chat template."""
     messages = _field(body, "messages", (list,))
     if not messages:
         raise bad("'messages' must not be empty", "messages")
@@ -168,9 +204,8 @@ def parse_chat(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
                       "invalid_type")
         turns.append({"role": "system" if role == "developer" else role, "content": content})
     try:
-        ids = encode_chat(tokenizer, turns)
+        return encode_chat(tokenizer, turns)
     except InvalidRequestError as exc:
         raise bad(str(exc), "messages") from None
     except jinja2.TemplateError as exc:  # the model's template refuses this conversation (role order, ...)
         raise bad(f"the model's chat template refused these messages: {exc}", "messages") from None
-    return _common(body, limits, ids, "max_completion_tokens", limits.default_max_tokens)

@@ -1,9 +1,10 @@
 """The OpenAI-compatible REST endpoint (aiohttp), served by the conductor role:
 
   POST /v1/completions, POST /v1/chat/completions   (stream: OpenAI SSE ending in `data: [DONE]`)
-  GET  /v1/models, GET /health, GET /metrics (Prometheus)
+  GET  /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus)
+  POST /tokenize, POST /detokenize                   (vLLM's)
 
-Errors are OpenAI-style bodies: 400 bad input (an unknown model too), 401 bad key, 429 predicted SLO miss
+Errors are OpenAI-style bodies: 400 bad input, 404 an unknown model, 401 bad key, 429 predicted SLO miss
 (with Retry-After), 503 no live instance, 500 a failure on the way. A client that disconnects cancels its
 request, and the conductor frees it on every instance."""
 
@@ -16,13 +17,15 @@ import uuid
 
 from aiohttp import web
 
-from mooncake.api.schemas import ApiError, ModelLimits, bad, parse_chat, parse_completion
+from mooncake.api.schemas import (ApiError, ModelLimits, bad, check_model, parse_chat, parse_completion,
+                                  parse_detokenize, parse_tokenize)
 from mooncake.conductor.service import Conductor, Rejected, RequestFailed, Unavailable
 from mooncake.config import MooncakeConfig
 from mooncake.errors import MooncakeError
 
 log = logging.getLogger(__name__)
 
+KEYED_PATHS = ("/tokenize", "/detokenize")  # beside /v1/*: what needs the API key when one is set
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
@@ -46,7 +49,9 @@ class ApiServer:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors, self._auth])
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
-                        web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/v1/models", self.models), web.get("/v1/models/{model_id}", self.model),
+                        web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
+                        web.get("/health", self.health),
                         web.get("/metrics", self.metrics)])
         # NOTE: handler_cancellation: a client that goes away cancels its handler, which cancels the request.
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -87,7 +92,7 @@ class ApiServer:
 
     @web.middleware
     async def _auth(self, request, handler):
-        if self.cfg.api_key and request.path.startswith("/v1/"):
+        if self.cfg.api_key and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, f"Bearer {self.cfg.api_key}".encode()):  # constant time
                 raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -96,10 +101,24 @@ class ApiServer:
 
     # -- routes ---------------------------------------------------------------------------------------
 
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "mooncake",
+                "max_model_len": self.limits.max_model_len}
+
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "mooncake",
-            "max_model_len": self.limits.max_model_len}]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        check_model(request.match_info["model_id"], self.limits)
+        return web.json_response(self._model_card())
+
+    async def tokenize(self, request):
+        ids = parse_tokenize(await _json(request), self.conductor.tokenizer, self.limits)
+        return web.json_response({"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request):
+        ids = parse_detokenize(await _json(request), self.limits)
+        return web.json_response({"prompt": self.conductor.tokenizer.decode(ids)})
 
     async def health(self, request):
         instances = self.conductor.health()
@@ -117,10 +136,7 @@ class ApiServer:
         return await self._serve(request, parse_chat, chat=True)
 
     async def _serve(self, request, parse, chat: bool):
-        try:
-            body = json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad(f"the request body is not valid JSON: {exc}") from None
+        body = await _json(request)
         parsed = parse(body, self.conductor.tokenizer, self.limits)
         try:
             flight = await self.conductor.submit(parsed.prompt_token_ids, parsed.params)
@@ -164,6 +180,13 @@ class ApiServer:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+async def _json(request):
+    try:
+        return json.loads(await request.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"the request body is not valid JSON: {exc}") from None
 
 
 async def _send(response, obj: dict) -> None:

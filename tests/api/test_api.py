@@ -90,7 +90,6 @@ def ok_body(**extra):
     ("/v1/completions", ok_body(n=2), "n"),
     ("/v1/completions", ok_body(prompt=[1, 2, 999999]), "prompt"),
     ("/v1/completions", ok_body(prompt="x" * 5000), "prompt"),
-    ("/v1/completions", ok_body(model="gpt-4"), "model"),
     ("/v1/completions", ok_body(stop=[""]), "stop"),
     ("/v1/chat/completions", {"model": "tiny"}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
@@ -177,3 +176,45 @@ def test_an_instance_of_another_model_is_refused(served):
     finally:
         s.close(linger=0)
     assert served.request("/v1/models")[0] == 200
+
+
+def test_an_unknown_model_is_404_model_not_found_and_the_served_one_can_be_retrieved(served):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.owned_by == "mooncake"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4")
+    assert caught.value.code == "model_not_found"
+    for create in (lambda: client.completions.create(model="gpt-4", prompt="hi", max_tokens=2),
+                   lambda: client.chat.completions.create(model="gpt-4", max_tokens=2,
+                                                          messages=[{"role": "user", "content": "hi"}])):
+        with pytest.raises(openai.NotFoundError) as caught:
+            create()
+        assert caught.value.code == "model_not_found" and "'tiny'" in caught.value.message
+
+
+def test_tokenize_and_detokenize_answer_as_vllm_does(served):
+    from mooncake.text import encode_chat
+    tokenizer = served.conductor.tokenizer
+    ids = tokenizer("hello world")["input_ids"]
+    status, reply, _ = served.request("/tokenize", {"model": "tiny", "prompt": "hello world"})
+    assert status == 200 and reply == {"count": len(ids), "max_model_len": 4096, "tokens": ids}
+    messages = [{"role": "user", "content": "hi there"}]
+    status, reply, _ = served.request("/tokenize", {"model": "tiny", "messages": messages})
+    assert status == 200 and reply["tokens"] == encode_chat(tokenizer, messages)
+    status, reply, _ = served.request("/detokenize", {"model": "tiny", "tokens": ids})
+    assert status == 200 and reply["prompt"] == tokenizer.decode(ids) and "hello world" in reply["prompt"]
+    status, reply, _ = served.request("/detokenize", {"tokens": [1, -5]})
+    assert status == 400 and reply["error"]["param"] == "tokens"
+    status, reply, _ = served.request("/tokenize", {"model": "gpt-4", "prompt": "x"})
+    assert status == 404 and reply["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_needs_the_api_key_when_one_is_set(tiny_dir):
+    s = Served(**{"api.api_key": "sesame"})
+    try:
+        assert s.request("/tokenize", {"prompt": "x"})[0] == 401
+        assert s.request("/tokenize", {"prompt": "x"}, headers={"Authorization": "Bearer sesame"})[0] == 200
+    finally:
+        s.close()
