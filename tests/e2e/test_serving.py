@@ -91,10 +91,11 @@ def test_the_openai_client_works_for_chat_and_completions(cluster):
 
 
 def test_bad_input_gets_400s_and_every_role_keeps_serving(cluster):
-    for body in ({"model": "tiny", "prompt": "x", "max_tokens": -3}, {"model": "tiny", "prompt": "x" * 4100},
-                 {"model": "nope", "prompt": "x"}, {"model": "tiny", "prompt": 12}):
+    for body, expect in (({"model": "tiny", "prompt": "x", "max_tokens": -3}, 400),
+                         ({"model": "tiny", "prompt": "x" * 4100}, 400),
+                         ({"model": "nope", "prompt": "x"}, 404), ({"model": "tiny", "prompt": 12}, 400)):
         status, reply = post(cluster.url + "/v1/completions", body)
-        assert status == 400 and reply["error"]["message"], reply
+        assert status == expect and reply["error"]["message"], reply
     assert completion(cluster, "still fine?", max_tokens=3)["usage"]["completion_tokens"] == 3
     assert all(p.popen.poll() is None for p in cluster.processes)
 
