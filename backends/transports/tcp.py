@@ -97,8 +97,8 @@ class TcpTransport(Transport):
             if server is None or not _readable(server):
                 return
             identity, *frames = _recv_frames(server)
-            if not _unsealed(frames):  # not from the cluster: no reply, no effect
-                self._refuse(identity)
+            if not _is_sealed(frames):  # not from the cluster: no reply, no effect
+                self._refuse()
                 continue
             frames = frames[1:]
             try:
@@ -110,7 +110,7 @@ class TcpTransport(Transport):
                 _send_frames(server, [identity, security.seal(reply[0]), *reply])
         self._loop.call_soon(self._serve)  # more may be waiting: continue after other callbacks
 
-    def _refuse(self, identity: bytes) -> None:
+    def _refuse(self) -> None:
         self.refused += 1
         if self.refused == 1 or self.refused % 1000 == 0:
             log.warning("%s transport %s: ignored %d messages not sealed with the cluster key", self.name,
@@ -213,7 +213,7 @@ class TcpTransport(Transport):
         """Hand every waiting reply to its request (drained until EVENTS shows none: see `_serve`)."""
         while _readable(sock):
             frames = _recv_frames(sock)
-            if not _unsealed(frames):
+            if not _is_sealed(frames):
                 log.warning("%s transport: dropped a reply from %s that is not sealed with the cluster key",
                             self.name, peer)
                 continue
@@ -313,7 +313,6 @@ class TcpTransport(Transport):
             self._loop.remove_reader(self._server.getsockopt(zmq.FD))
             self._server.close(linger=0)
         self._peers.clear()
-        security.release(self.ctx)
         self.ctx.term()
 
 
@@ -322,7 +321,7 @@ def _expire(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-def _unsealed(frames: list[zmq.Frame]) -> bool:
+def _is_sealed(frames: list[zmq.Frame]) -> bool:
     """A message is [MAC of the header, header, blocks...]: is its MAC right (always, without keys)?"""
     return len(frames) >= 2 and security.is_sealed(frames[0].buffer, frames[1].buffer)
 

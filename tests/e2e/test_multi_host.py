@@ -20,6 +20,7 @@ import pytest
 from mooncake.config import dump_config, load_config
 from mooncake.security import generate_keys
 from tests.e2e.conftest import E2E_SETTINGS
+from tests.transfer.test_transport_contract import available
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "multi-host"
@@ -39,19 +40,6 @@ def lab_or_skip():
         if os.environ.get("MOONCAKE_REQUIRE_ALL_BACKENDS"):
             pytest.fail(f"multi-host tests need network namespaces: {why}")
         pytest.skip(why)
-
-
-def transport_or_skip(name: str) -> None:
-    if name != "mooncake":
-        return
-    from backends.transports.mooncake_te import load_transfer_engine
-    from mooncake.errors import BackendError
-    try:
-        load_transfer_engine()
-    except BackendError as exc:
-        if os.environ.get("MOONCAKE_REQUIRE_ALL_BACKENDS"):
-            raise
-        pytest.skip(str(exc))
 
 
 class MultiHost:
@@ -146,7 +134,7 @@ class MultiHost:
 @pytest.fixture(scope="module", params=["tcp", "mooncake"])
 def cluster(request, tiny_dir, tmp_path_factory):
     lab_or_skip()
-    transport_or_skip(request.param)
+    available(request.param)  # the mooncake transport needs its Transfer Engine (CI requires it)
     from mooncake.netns import NetnsLab
     with NetnsLab(4) as lab:
         c = MultiHost(lab, request.param, tmp_path_factory.mktemp(f"multi-host-{request.param}"))
