@@ -1,7 +1,11 @@
 """The conductor's Prometheus metrics (served at GET /metrics): request latencies, prefix hits, KV
-transfers, rejections and per-instance load. One registry per conductor, so tests can run several."""
+transfers, rejections and per-instance load. One registry per conductor, so tests can run several.
+
+Beside ours, the same measurements under vLLM's names (`vllm:*`, with a `model_name` label), so the
+dashboards and alerts of a vLLM deployment read a mooncake cluster as they are (`_VllmSeries`)."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 disable_created_metrics()  # the *_created series only add noise to a scrape
 
@@ -9,7 +13,7 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30
 
 
 class ConductorMetrics:
-    def __init__(self):
+    def __init__(self, model_name: str = ""):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("mooncake_requests", "Finished requests by outcome (ok, error, cancelled)",
                                 ["outcome"], registry=r)
@@ -19,6 +23,13 @@ class ConductorMetrics:
                               registry=r)
         self.tbt = Histogram("mooncake_tbt_seconds", "Time between tokens", buckets=LATENCY_BUCKETS_S,
                              registry=r)
+        self.e2e = Histogram("mooncake_e2e_request_seconds", "Admission to the last token, of requests that "
+                             "finished", buckets=LATENCY_BUCKETS_S + (120, 300), registry=r)
+        self.queue = Histogram("mooncake_queue_seconds", "Prefill-side wait: receipt to hand-off less compute "
+                               "and pool reads", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.slo = Counter("mooncake_slo_requests", "Finished requests by whether they met both SLOs (TTFT, and "
+                           "TBT as the mean of a request's slowest 10% of gaps): goodput", ["within_slo"],
+                           registry=r)
         self.prompt_tokens = Counter("mooncake_prompt_tokens", "Prompt tokens of served requests", registry=r)
         self.cached_tokens = Counter("mooncake_prefix_hit_tokens",
                                      "Prompt tokens reused from a prefix cache instead of computed", registry=r)
@@ -45,19 +56,14 @@ class ConductorMetrics:
         self.kv_total = Gauge("mooncake_instance_kv_blocks", "KV blocks of the instance", ["instance"], registry=r)
         # The cache nodes' own counters, polled by the conductor so one scrape covers the pool too.
         node_tier = ["node", "tier"]
-        self.cache_hits = Gauge("mooncake_cache_hits", "Reads served, per cache node and tier", node_tier, registry=r)
-        self.cache_misses = Gauge("mooncake_cache_misses", "Reads of absent blocks, per cache node", ["node"],
-                                  registry=r)
-        self.cache_evictions = Gauge("mooncake_cache_evictions", "Blocks evicted, per cache node and tier",
-                                     node_tier, registry=r)
+        self.pool = _PoolCounters()
+        r.register(self.pool)
         self.cache_blocks = Gauge("mooncake_cache_blocks", "Blocks held, per cache node and tier", node_tier,
                                   registry=r)
         self.cache_used = Gauge("mooncake_cache_used_bytes", "Bytes held, per cache node and tier", node_tier,
                                 registry=r)
         self.cache_capacity = Gauge("mooncake_cache_capacity_bytes", "Capacity, per cache node and tier", node_tier,
                                     registry=r)
-        self.cache_bytes = Gauge("mooncake_cache_bytes", "Block bytes in (put) and out (get), per cache node",
-                                 ["node", "direction"], registry=r)
         self.cache_rate = Gauge("mooncake_cache_transfer_gbytes_per_s",
                                 "Mean rate of the puts and gets a cache node served", ["node", "op"], registry=r)
         self.cache_lent = Gauge("mooncake_cache_write_window_bytes",
@@ -65,23 +71,95 @@ class ConductorMetrics:
                                 registry=r)
         self.index_blocks = Gauge("mooncake_prefix_index_blocks", "Block hashes in the global prefix index",
                                   registry=r)
+        r.register(_VllmSeries(self, model_name))
 
     def record_cache_stats(self, node: str, stats: dict) -> None:
-        """One cache node's `stats` reply (see mooncake/store/server.py) into the gauges."""
-        for tier, n in stats.get("hits", {}).items():
-            self.cache_hits.labels(node, tier).set(n)
-        self.cache_misses.labels(node).set(stats.get("misses", 0))
-        for tier, n in stats.get("evictions", {}).items():
-            self.cache_evictions.labels(node, tier).set(n)
+        """One cache node's `stats` reply (see mooncake/store/server.py) into the gauges and counters."""
+        self.pool.nodes[node] = stats
         for gauge, key in ((self.cache_blocks, "blocks"), (self.cache_used, "used_bytes"),
                            (self.cache_capacity, "capacity_bytes")):
             for tier, n in stats.get(key, {}).items():
                 gauge.labels(node, tier).set(n)
-        self.cache_bytes.labels(node, "in").set(stats.get("bytes_in", 0))
-        self.cache_bytes.labels(node, "out").set(stats.get("bytes_out", 0))
         for op, served in stats.get("transfers", {}).items():
             self.cache_rate.labels(node, op).set(served.get("gbytes_per_s", 0.0))
         self.cache_lent.labels(node).set(stats.get("write_windows", {}).get("lent_bytes", 0))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PoolCounters:
+    """The cache nodes' running totals, as counters: they only grow (a restarted node starts again from
+    zero, which Prometheus' rate() reads as a counter reset)."""
+
+    def __init__(self):
+        self.nodes: dict[str, dict] = {}  # node id -> its latest stats reply
+
+    def collect(self):
+        hits = CounterMetricFamily("mooncake_cache_hits", "Reads served, per cache node and tier", labels=["node", "tier"])
+        misses = CounterMetricFamily("mooncake_cache_misses", "Reads of absent blocks, per cache node", labels=["node"])
+        evictions = CounterMetricFamily("mooncake_cache_evictions", "Blocks evicted, per cache node and tier",
+                                        labels=["node", "tier"])
+        moved = CounterMetricFamily("mooncake_cache_bytes", "Block bytes in (put) and out (get), per cache node",
+                                    labels=["node", "direction"])
+        for node, stats in self.nodes.items():
+            for tier, n in stats.get("hits", {}).items():
+                hits.add_metric([node, tier], n)
+            misses.add_metric([node], stats.get("misses", 0))
+            for tier, n in stats.get("evictions", {}).items():
+                evictions.add_metric([node, tier], n)
+            moved.add_metric([node, "in"], stats.get("bytes_in", 0))
+            moved.add_metric([node, "out"], stats.get("bytes_out", 0))
+        return [hits, misses, evictions, moved]
+
+
+class _VllmSeries:
+    """Our measurements under vLLM's metric names, computed at scrape time from the series above (one
+    measurement, two names). Instance gauges are summed over the live instances."""
+
+    HISTOGRAMS = (("ttft", "vllm:time_to_first_token_seconds", "Time to first token"),
+                  ("tbt", "vllm:inter_token_latency_seconds", "Time between tokens"),
+                  ("e2e", "vllm:e2e_request_latency_seconds", "End-to-end latency of finished requests"),
+                  ("queue", "vllm:request_queue_time_seconds", "Time requests waited before their prefill"))
+    COUNTERS = (("prompt_tokens", "vllm:prompt_tokens", "Prompt tokens"),
+                ("completion_tokens", "vllm:generation_tokens", "Generated tokens"),
+                ("prompt_tokens", "vllm:prefix_cache_queries", "Prompt tokens looked up in a prefix cache"),
+                ("cached_tokens", "vllm:prefix_cache_hits", "Prompt tokens found in a prefix cache"))
+
+    def __init__(self, metrics: ConductorMetrics, model_name: str):
+        self.m = metrics
+        self.model = [model_name]
+
+    def collect(self):
+        for attr, name, doc in self.HISTOGRAMS:
+            samples = _samples(getattr(self.m, attr))
+            family = HistogramMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(self.model, [(s.labels["le"], s.value) for s in samples if s.name.endswith("_bucket")],
+                              sum_value=next(s.value for s in samples if s.name.endswith("_sum")))
+            yield family
+        for attr, name, doc in self.COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(self.model, next(s.value for s in _samples(getattr(self.m, attr))
+                                               if s.name.endswith("_total")))
+            yield family
+        live = {s.labels["instance"] for s in _samples(self.m.up) if s.value == 1}
+        for attr, name, doc in (("running", "vllm:num_requests_running", "Requests running in the engines"),
+                                ("waiting", "vllm:num_requests_waiting", "Requests queued in the engines")):
+            yield self._gauge(name, doc, sum(_by_instance(getattr(self.m, attr), live).values()))
+        total = sum(_by_instance(self.m.kv_total, live).values())
+        used = sum(_by_instance(self.m.kv_used, live).values())
+        yield self._gauge("vllm:kv_cache_usage_perc", "Share of the instances' KV blocks in use (0-1)",
+                          used / total if total else 0.0)
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric(self.model, value)
+        return family
+
+
+def _samples(metric) -> list:
+    return [s for family in metric.collect() for s in family.samples]
+
+
+def _by_instance(gauge: Gauge, live: set[str]) -> dict[str, float]:
+    return {s.labels["instance"]: s.value for s in _samples(gauge) if s.labels.get("instance") in live}

@@ -80,6 +80,9 @@ class Flight:
     num_cached_tokens: int = 0
     num_completion_tokens: int = 0
     finished: bool = False
+    admitted_s: float = 0.0  # the conductor's clock
+    ttft_s: float = 0.0
+    gaps_s: list[float] = field(default_factory=list)  # between consecutive token messages
 
 
 def _wire_sampling(params: SamplingParams) -> dict:
@@ -94,7 +97,7 @@ class Conductor:
         self.cfg = config.conductor
         self.clock = clock
         self.name = "conductor"
-        self.metrics = ConductorMetrics()
+        self.metrics = ConductorMetrics(config.api.model_name or config.engine.model)
         self.registry = InstanceRegistry(self.cfg.heartbeat_timeout_s)
         self.index = PrefixIndex()
         self.estimators = Estimators(
@@ -197,7 +200,7 @@ class Conductor:
         start = now + placement.ttft_s
         flight = Flight(request_id, list(prompt_token_ids), hashes, params, placement, predicted_prefill_s,
                         DecodeLoad(start, start + params.max_tokens * max(placement.tbt_s, 1e-3),
-                                   len(prompt_token_ids) + params.max_tokens))
+                                   len(prompt_token_ids) + params.max_tokens), admitted_s=now)
         self.flights[request_id] = flight
         for instance_id in (placement.prefill_id, placement.decode_id):
             self.registry.get(instance_id).request_ids.add(request_id)
@@ -236,7 +239,8 @@ class Conductor:
         self.registry.get(flight.placement.prefill_id).request_ids.discard(request_id)
         self.metrics.in_flight.labels(flight.placement.prefill_id).dec()
         last = self.clock()
-        self.metrics.ttft.observe(last - started)
+        flight.ttft_s = last - started
+        self.metrics.ttft.observe(flight.ttft_s)
         reason = done.finish_reason if done.finish_reason == "stop" or params.max_tokens == 1 else None
         event = self._event(flight, detok, [done.first_token], reason)
         yield event
@@ -252,6 +256,7 @@ class Conductor:
             tokens = await self._next(flight, self.cfg.token_timeout_s, "the next token")
             now = self.clock()
             self.metrics.tbt.observe(now - last)
+            flight.gaps_s.append(now - last)
             last = now
             event = self._event(flight, detok, tokens.token_ids, tokens.finish_reason)
             yield event
@@ -290,6 +295,7 @@ class Conductor:
         self.metrics.kv_bytes.labels(p.prefill_id).inc(done.kv_bytes)
         self.metrics.kv_seconds.labels(p.prefill_id).inc(done.kv_seconds)
         self.metrics.fetch_bytes.labels(p.prefill_id).inc(done.fetched_bytes)
+        self.metrics.queue.observe(max(0.0, done.prefill_seconds - done.compute_seconds - done.fetch_seconds))
         # NOTE: compute time, not receipt-to-hand-off: queueing is what T_queue adds on top.
         self.estimators.prefill_time.observe(n, done.num_cached_tokens, done.compute_seconds)
         if p.fetch_from and done.fetched_bytes:
@@ -302,6 +308,9 @@ class Conductor:
         if self.flights.pop(flight.request_id, None) is None:
             return
         self.metrics.requests.labels(outcome).inc()
+        if outcome == "ok":
+            self.metrics.e2e.observe(self.clock() - flight.admitted_s)
+            self.metrics.slo.labels(str(self._within_slo(flight)).lower()).inc()
         holders = [flight.placement.decode_id] + ([flight.placement.prefill_id] if flight.in_prefill else [])
         for instance_id in holders:
             instance = self.registry.get(instance_id)
@@ -311,6 +320,12 @@ class Conductor:
         if not flight.finished:
             for instance_id in (flight.placement.prefill_id, flight.placement.decode_id):
                 asyncio.ensure_future(self._send(instance_id, m.Cancel(request_id=flight.request_id)))
+
+    def _within_slo(self, flight: Flight) -> bool:
+        """TTFT within its SLO, and TBT as the paper measures it: the mean of the slowest 10% of gaps."""
+        slowest = sorted(flight.gaps_s, reverse=True)[:max(1, len(flight.gaps_s) // 10)]
+        tbt_s = sum(slowest) / len(slowest) if slowest else 0.0
+        return flight.ttft_s <= self.cfg.ttft_slo_s and tbt_s <= self.cfg.tbt_slo_s
 
     # -- what the policies see ------------------------------------------------------------------------
 

@@ -218,3 +218,39 @@ def test_tokenize_needs_the_api_key_when_one_is_set(tiny_dir):
         assert s.request("/tokenize", {"prompt": "x"}, headers={"Authorization": "Bearer sesame"})[0] == 200
     finally:
         s.close()
+
+
+VLLM_SERIES = ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+               "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_sum",
+               "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+               "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
+               "vllm:generation_tokens_total")
+
+
+def exported_families(text: str) -> set[str]:
+    """Every series name a scrape can hold: each family's own name and its suffixed samples."""
+    families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+    return {f + suffix for f in families for suffix in ("", "_total", "_bucket", "_sum", "_count")}
+
+
+def test_metrics_export_the_vllm_named_series_with_a_model_name_label(served):
+    text = urllib.request.urlopen(served.url + "/metrics", timeout=10).read().decode()
+    for series in VLLM_SERIES:
+        assert any(line.startswith(series + '{') and 'model_name="tiny"' in line for line in text.splitlines()), series
+    types = {line.split()[2]: line.split()[3] for line in text.splitlines() if line.startswith("# TYPE ")}
+    assert types["vllm:prompt_tokens_total"] == types["mooncake_cache_hits_total"] == "counter"
+    assert types["mooncake_cache_bytes_total"] == types["vllm:prefix_cache_hits_total"] == "counter"
+
+
+def test_every_query_of_the_shipped_dashboard_names_a_series_we_export(served):
+    import re
+    from pathlib import Path
+    dashboard = json.loads((Path(__file__).parents[2] / "configs" / "grafana" / "mooncake-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(exprs) >= 8
+    exported = exported_families(urllib.request.urlopen(served.url + "/metrics", timeout=10).read().decode())
+    for expr in exprs:
+        names = re.findall(r"(?:vllm:|mooncake_)[A-Za-z0-9_:]+", expr)
+        assert names, expr
+        for name in names:
+            assert name in exported, f"{name} (in {expr!r}) is not a series /metrics exports"

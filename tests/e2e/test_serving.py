@@ -64,7 +64,7 @@ def test_metrics_cover_the_cache_nodes(cluster):
             break
         time.sleep(0.2)
     assert m['mooncake_cache_blocks{node="cache-0",tier="dram"}'] > 0
-    assert m['mooncake_cache_bytes{direction="in",node="cache-0"}'] > 0
+    assert m['mooncake_cache_bytes_total{direction="in",node="cache-0"}'] > 0
     assert m['mooncake_cache_capacity_bytes{node="cache-0",tier="dram"}'] == 128 << 20
 
 
@@ -108,3 +108,22 @@ def test_stop_strings_end_the_text_before_them(cluster):
         pytest.skip("the random model wrote no ASCII letter here")
     cut = completion(cluster, "Stop test: ", max_tokens=16, ignore_eos=True, stop=[stop])["choices"][0]
     assert cut["finish_reason"] == "stop" and cut["text"] == full[:full.index(stop)]
+
+
+def test_vllm_named_series_and_goodput_count_what_was_served(cluster):
+    before = metrics(cluster.url)
+    reply = completion(cluster, f"{uuid.uuid4().hex} counted once under two names", max_tokens=5, ignore_eos=True)
+    after = metrics(cluster.url)
+
+    def grew(series):
+        return after.get(series, 0) - before.get(series, 0)
+    tiny = '{model_name="tiny"}'
+    assert grew(f"vllm:prompt_tokens_total{tiny}") == reply["usage"]["prompt_tokens"] == grew(
+        "mooncake_prompt_tokens_total")
+    assert grew(f"vllm:generation_tokens_total{tiny}") == 5
+    assert grew(f"vllm:time_to_first_token_seconds_count{tiny}") == 1
+    assert grew(f"vllm:e2e_request_latency_seconds_count{tiny}") == 1
+    assert grew(f"vllm:request_queue_time_seconds_count{tiny}") == 1
+    assert grew('mooncake_slo_requests_total{within_slo="true"}') + grew(
+        'mooncake_slo_requests_total{within_slo="false"}') == 1
+    assert 0 <= after[f"vllm:kv_cache_usage_perc{tiny}"] <= 1
