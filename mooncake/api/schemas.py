@@ -31,6 +31,10 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1  # choices: each its own request (with seed + i when a seed is given)
+
+
+MAX_CHOICES = 16  # `n` at most
 
 
 @dataclass(frozen=True)
@@ -111,17 +115,20 @@ def _stop(body: dict) -> tuple[str, ...]:
 def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_key: str,
             default_max_tokens: int) -> ParsedRequest:
     model = check_model(_field(body, "model", (str,)), limits)
-    for name, allowed in (("n", (1,)), ("best_of", (1,)), ("echo", (False,)), ("logprobs", (None, False)),
+    n = _field(body, "n", (int,), 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad(f"'n' must be between 1 and {MAX_CHOICES}, got {n}", "n", "invalid_value")
+    for name, allowed in (("best_of", (1, n)), ("echo", (False,)), ("logprobs", (None, False)),
                           ("top_logprobs", (None,)), ("presence_penalty", (0, 0.0)),
                           ("frequency_penalty", (0, 0.0)), ("logit_bias", (None, {})), ("suffix", (None,))):
         _refuse(body, name, allowed)
-    n = len(prompt_ids)
-    if n == 0:
+    num_prompt = len(prompt_ids)
+    if num_prompt == 0:
         raise bad("the prompt is empty", "prompt")
-    if n >= limits.max_model_len:
-        raise bad(f"the prompt has {n} tokens; this model's context length is {limits.max_model_len}",
+    if num_prompt >= limits.max_model_len:
+        raise bad(f"the prompt has {num_prompt} tokens; this model's context length is {limits.max_model_len}",
                   "messages" if max_tokens_key == "max_completion_tokens" else "prompt", "context_length_exceeded")
-    room = limits.max_model_len - n
+    room = limits.max_model_len - num_prompt
     max_tokens = _field(body, max_tokens_key, (int,), None)
     if max_tokens is None and max_tokens_key == "max_completion_tokens":
         max_tokens = _field(body, "max_tokens", (int,), None)
@@ -130,7 +137,7 @@ def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_k
     elif max_tokens < 1:
         raise bad(f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens", "invalid_value")
     elif max_tokens > room:
-        raise bad(f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+        raise bad(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context length "
                   f"{limits.max_model_len}; ask for at most {room}", "max_tokens", "context_length_exceeded")
     stream = _field(body, "stream", (bool,), False)
     options = _field(body, "stream_options", (dict,), {})
@@ -145,7 +152,7 @@ def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_k
         raise bad(str(exc)) from None
     if params.temperature > 2:
         raise bad(f"'temperature' must be at most 2, got {params.temperature}", "temperature", "invalid_value")
-    return ParsedRequest(model, prompt_ids, params, stream, include_usage)
+    return ParsedRequest(model, prompt_ids, params, stream, include_usage, n)
 
 
 def parse_completion(body, tokenizer, limits: ModelLimits) -> ParsedRequest:

@@ -8,7 +8,9 @@ Errors are OpenAI-style bodies: 400 bad input, 404 an unknown model, 401 bad key
 (with Retry-After), 503 no live instance, 500 a failure on the way. A client that disconnects cancels its
 request, and the conductor frees it on every instance."""
 
+import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -17,6 +19,7 @@ import uuid
 
 from aiohttp import web
 
+from mooncake.api.responses import Shape, usage
 from mooncake.api.schemas import (ApiError, ModelLimits, bad, check_model, parse_chat, parse_completion,
                                   parse_detokenize, parse_tokenize)
 from mooncake.conductor.service import Conductor, Rejected, RequestFailed, Unavailable
@@ -138,44 +141,74 @@ class ApiServer:
     async def _serve(self, request, parse, chat: bool):
         body = await _json(request)
         parsed = parse(body, self.conductor.tokenizer, self.limits)
-        try:
-            flight = await self.conductor.submit(parsed.prompt_token_ids, parsed.params)
-        except Rejected as exc:
-            raise ApiError(429, str(exc), code=exc.reason, type_="rate_limit_error",
-                           headers={"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
-        except Unavailable as exc:
-            raise ApiError(503, str(exc), type_="server_error", code="no_instance") from None
+        flights = await self._submit(parsed)
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        shape = _Shape(chat, response_id, int(time.time()), parsed.model, body.get("return_token_ids") is True)
+        shape = Shape(chat, response_id, int(time.time()), parsed.model, body.get("return_token_ids") is True)
         if parsed.stream:
-            return await self._stream(request, flight, shape, parsed.include_usage)
-        text, token_ids, finish_reason = [], [], None
+            return await self._stream(request, flights, shape, parsed.include_usage)
+        outs = [("", [], None)] * len(flights)
+
+        async def add(i, event):
+            text, token_ids, _ = outs[i]
+            outs[i] = (text + event.text, token_ids + event.token_ids, event.finish_reason)
         try:
-            async with contextlib.aclosing(self.conductor.stream(flight)) as events:
-                async for event in events:
-                    text.append(event.text)
-                    token_ids.extend(event.token_ids)
-                    finish_reason = event.finish_reason
+            await self._relay(flights, add)
         except RequestFailed as exc:
             raise ApiError(400 if exc.is_invalid else 500, str(exc), type_="invalid_request_error"
                            if exc.is_invalid else "server_error", code="request_failed") from None
-        return web.json_response(shape.whole("".join(text), token_ids, finish_reason, _usage(flight)))
+        return web.json_response(shape.whole(outs, usage(flights)))
 
-    async def _stream(self, request, flight, shape: "_Shape", include_usage: bool):
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
+    async def _submit(self, parsed) -> list:
+        """One request per choice (choice i samples with seed + i when a seed is given); if any is refused,
+        the others are let go and the refusal is the answer."""
+        flights = []
         try:
-            if shape.chat:
-                await _send(response, shape.chunk("", [], None, first=True))
+            for i in range(parsed.n):
+                params = parsed.params
+                if i and params.seed is not None:
+                    params = dataclasses.replace(params, seed=params.seed + i)
+                flights.append(await self.conductor.submit(parsed.prompt_token_ids, params))
+        except (Rejected, Unavailable) as exc:
+            for flight in flights:
+                self.conductor.abandon(flight)
+            if isinstance(exc, Rejected):
+                raise ApiError(429, str(exc), code=exc.reason, type_="rate_limit_error",
+                               headers={"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
+            raise ApiError(503, str(exc), type_="server_error", code="no_instance") from None
+        return flights
+
+    async def _relay(self, flights: list, on_event) -> None:
+        """Run every choice's stream at once, awaiting `on_event(index, event)` as events come; the first
+        failure ends the others (each then frees its request everywhere) and is raised."""
+        async def one(i, flight):
             async with contextlib.aclosing(self.conductor.stream(flight)) as events:
                 async for event in events:
-                    await _send(response, shape.chunk(event.text, event.token_ids, event.finish_reason))
+                    await on_event(i, event)
+        tasks = [asyncio.ensure_future(one(i, f)) for i, f in enumerate(flights)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stream(self, request, flights: list, shape: Shape, include_usage: bool):
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+
+        async def send(i, event):
+            await _send(response, shape.chunk(i, event.text, event.token_ids, event.finish_reason))
+        try:
+            if shape.chat:
+                for i in range(len(flights)):
+                    await _send(response, shape.chunk(i, "", [], None, first=True))
+            await self._relay(flights, send)
             if include_usage:
-                await _send(response, shape.usage_chunk(_usage(flight)))
+                await _send(response, shape.usage_chunk(usage(flights)))
         except RequestFailed as exc:
             await _send(response, ApiError(500, str(exc), type_="server_error", code="request_failed").body())
         except ConnectionResetError:
-            log.info("client went away; request %s cancelled", flight.request_id)
+            log.info("client went away; request %s cancelled", ", ".join(f.request_id for f in flights))
             return response
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -191,50 +224,3 @@ async def _json(request):
 
 async def _send(response, obj: dict) -> None:
     await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-
-
-def _usage(flight) -> dict:
-    n = len(flight.prompt_token_ids)
-    return {"prompt_tokens": n, "completion_tokens": flight.num_completion_tokens,
-            "total_tokens": n + flight.num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": flight.num_cached_tokens}}
-
-
-class _Shape:
-    """OpenAI's response objects for completions and chat completions, whole and as stream chunks."""
-
-    def __init__(self, chat: bool, response_id: str, created: int, model: str, with_token_ids: bool):
-        self.chat, self.id, self.created, self.model, self.with_token_ids = chat, response_id, created, model, \
-            with_token_ids
-
-    def _envelope(self, object_name: str, choices: list, usage=None) -> dict:
-        out = {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-               "choices": choices}
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
-    def _choice(self, text, token_ids, finish_reason, key: str, first: bool = False) -> dict:
-        if self.chat:
-            content = {"role": "assistant", "content": text} if first or key == "message" else (
-                {"content": text} if text or finish_reason is None else {})
-            choice = {"index": 0, key: content, "finish_reason": finish_reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-        if self.with_token_ids:
-            choice["token_ids"] = token_ids
-        return choice
-
-    def whole(self, text, token_ids, finish_reason, usage) -> dict:
-        if self.chat:
-            return self._envelope("chat.completion", [self._choice(text, token_ids, finish_reason, "message")], usage)
-        return self._envelope("text_completion", [self._choice(text, token_ids, finish_reason, "text")], usage)
-
-    def chunk(self, text, token_ids, finish_reason, first: bool = False) -> dict:
-        if self.chat:
-            return self._envelope("chat.completion.chunk",
-                                  [self._choice(text, token_ids, finish_reason, "delta", first)])
-        return self._envelope("text_completion", [self._choice(text, token_ids, finish_reason, "text")])
-
-    def usage_chunk(self, usage) -> dict:
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage)

@@ -216,6 +216,11 @@ class Conductor:
             raise Unavailable(f"prefill instance {placement.prefill_id} is unreachable; retry")
         return flight
 
+    def abandon(self, flight: Flight) -> None:
+        """Let go of a submitted request that will not be streamed (another choice of its HTTP request was
+        refused): its instances are told to free it."""
+        self._end(flight, "cancelled")
+
     async def stream(self, flight: Flight):
         """Yield StreamEvents until the request ends; raises RequestFailed. Always releases the request."""
         outcome = "cancelled"

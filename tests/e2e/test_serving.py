@@ -127,3 +127,25 @@ def test_vllm_named_series_and_goodput_count_what_was_served(cluster):
     assert grew('mooncake_slo_requests_total{within_slo="true"}') + grew(
         'mooncake_slo_requests_total{within_slo="false"}') == 1
     assert 0 <= after[f"vllm:kv_cache_usage_perc{tiny}"] <= 1
+
+
+def test_n_choices_with_the_openai_client_whole_and_streamed(cluster):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    prompt = f"{uuid.uuid4().hex} several ways to go on: "
+    sampled = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    whole = client.completions.create(n=3, **sampled)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    single = client.completions.create(n=1, **sampled)
+    assert whole.usage.completion_tokens == 18 and whole.usage.prompt_tokens == single.usage.prompt_tokens
+    assert len({c.text for c in whole.choices}) > 1  # sampled choices differ
+    assert single.choices[0].text == whole.choices[0].text  # choice i samples with seed + i
+    assert client.completions.create(n=3, **sampled).choices[2].text == whole.choices[2].text
+    texts = {}
+    for chunk in client.completions.create(n=3, stream=True, **sampled):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {c.index: c.text for c in whole.choices}
+    greedy = client.chat.completions.create(model="tiny", n=2, max_tokens=5, temperature=0,
+                                            messages=[{"role": "user", "content": prompt}])
+    assert len(greedy.choices) == 2 and greedy.choices[0].message.content == greedy.choices[1].message.content
