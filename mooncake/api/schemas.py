@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import jinja2
 
-from mooncake.engine.sampling import SamplingParams
+from mooncake.sampling import SamplingParams
 from mooncake.errors import InvalidRequestError, MooncakeError
 from mooncake.text import encode_chat
 

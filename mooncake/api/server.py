@@ -22,7 +22,7 @@ from aiohttp import web
 from mooncake.api.responses import Shape, usage
 from mooncake.api.schemas import (ApiError, ModelLimits, bad, check_model, parse_chat, parse_completion,
                                   parse_detokenize, parse_tokenize)
-from mooncake.conductor.service import Conductor, Rejected, RequestFailed, Unavailable
+from mooncake.conductor.service import Conductor, Rejected, RequestError, Unavailable
 from mooncake.config import MooncakeConfig
 from mooncake.errors import MooncakeError
 
@@ -153,7 +153,7 @@ class ApiServer:
             outs[i] = (text + event.text, token_ids + event.token_ids, event.finish_reason)
         try:
             await self._relay(flights, add)
-        except RequestFailed as exc:
+        except RequestError as exc:
             raise ApiError(400 if exc.is_invalid else 500, str(exc), type_="invalid_request_error"
                            if exc.is_invalid else "server_error", code="request_failed") from None
         return web.json_response(shape.whole(outs, usage(flights)))
@@ -205,7 +205,7 @@ class ApiServer:
             await self._relay(flights, send)
             if include_usage:
                 await _send(response, shape.usage_chunk(usage(flights)))
-        except RequestFailed as exc:
+        except RequestError as exc:
             await _send(response, ApiError(500, str(exc), type_="server_error", code="request_failed").body())
         except ConnectionResetError:
             log.info("client went away; request %s cancelled", ", ".join(f.request_id for f in flights))

@@ -26,7 +26,7 @@ from mooncake.conductor.prefix_index import PrefixIndex
 from mooncake.conductor.registry import Instance, InstanceRegistry
 from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, Placement, PrefillView, RequestView
 from mooncake.config import MooncakeConfig
-from mooncake.engine.sampling import SamplingParams
+from mooncake.sampling import SamplingParams
 from mooncake.errors import MooncakeError
 from mooncake.hashing import hash_blocks, make_namespace
 from mooncake.models import resolve_model
@@ -49,7 +49,7 @@ class Rejected(MooncakeError):
         self.retry_after_s = retry_after_s
 
 
-class RequestFailed(MooncakeError):
+class RequestError(MooncakeError):
     """The request ended in an error on the way (dead instance, deadline, refused by an instance)."""
 
     def __init__(self, message: str, is_invalid: bool = False):
@@ -155,7 +155,7 @@ class Conductor:
         if self.supervisor is not None:
             await self.supervisor.stop()
         for flight in list(self.flights.values()):
-            flight.inbox.put_nowait(RequestFailed("the conductor is shutting down"))
+            flight.inbox.put_nowait(RequestError("the conductor is shutting down"))
         if self.pool is not None:
             await self.pool.stop()
         if self.ctx is not None:
@@ -222,13 +222,13 @@ class Conductor:
         self._end(flight, "cancelled")
 
     async def stream(self, flight: Flight):
-        """Yield StreamEvents until the request ends; raises RequestFailed. Always releases the request."""
+        """Yield StreamEvents until the request ends; raises RequestError. Always releases the request."""
         outcome = "cancelled"
         try:
             async for event in self._run(flight):
                 yield event
             outcome = "ok"
-        except RequestFailed:
+        except RequestError:
             outcome = "error"
             raise
         finally:
@@ -256,7 +256,7 @@ class Conductor:
         if not await self._send(decode_id, m.Decode(request_id=request_id,
                                                     token_ids=flight.prompt_token_ids + [done.first_token],
                                                     block_hashes=flight.block_hashes, sampling=sampling)):
-            raise RequestFailed(f"decode instance {decode_id} is unreachable")
+            raise RequestError(f"decode instance {decode_id} is unreachable")
         while True:
             tokens = await self._next(flight, self.cfg.token_timeout_s, "the next token")
             now = self.clock()
@@ -283,11 +283,11 @@ class Conductor:
         try:
             msg = await asyncio.wait_for(flight.inbox.get(), timeout_s)
         except asyncio.TimeoutError:
-            raise RequestFailed(f"request {flight.request_id}: no {what} within {timeout_s:g} s") from None
-        if isinstance(msg, RequestFailed):
+            raise RequestError(f"request {flight.request_id}: no {what} within {timeout_s:g} s") from None
+        if isinstance(msg, RequestError):
             raise msg
         if isinstance(msg, m.RequestFailed):
-            raise RequestFailed(msg.error, msg.is_invalid)
+            raise RequestError(msg.error, msg.is_invalid)
         return msg
 
     def _on_prefill_done(self, flight: Flight, done: m.PrefillDone) -> None:
@@ -476,7 +476,7 @@ class Conductor:
         self.index.drop_holder(instance.instance_id)
         for request_id in list(instance.request_ids):
             if (flight := self.flights.get(request_id)) is not None:
-                flight.inbox.put_nowait(RequestFailed(
+                flight.inbox.put_nowait(RequestError(
                     f"{instance.role} instance {instance.instance_id} {why}; request {request_id} failed"))
 
     def health(self) -> dict:

@@ -10,7 +10,7 @@ import logging
 
 from mooncake import messages as m
 from mooncake.decode.inbox import KVInbox
-from mooncake.engine.sampling import SamplingParams
+from mooncake.sampling import SamplingParams
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
 from mooncake.instance.worker import Worker
 from mooncake.kv_payload import KVPayload

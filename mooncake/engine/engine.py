@@ -15,7 +15,7 @@ from mooncake.engine.batch import build_batch
 from mooncake.engine.block_pool import BlockPool
 from mooncake.engine.kv_cache import PagedKVCache
 from mooncake.engine.sampler import sample
-from mooncake.engine.sampling import SamplingParams
+from mooncake.sampling import SamplingParams
 from mooncake.engine.scheduler import Scheduler
 from mooncake.engine.sequence import Sequence
 from mooncake.errors import ConfigError, InvalidRequestError, KVPayloadError

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mooncake.engine.sampling import SamplingParams
+from mooncake.sampling import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from mooncake import messages as m
-from mooncake.engine.sampling import SamplingParams
+from mooncake.sampling import SamplingParams
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
 from mooncake.instance.worker import Worker
 from mooncake.kv_payload import KVPayload

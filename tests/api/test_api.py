@@ -256,3 +256,12 @@ def test_every_query_of_the_shipped_dashboard_names_a_series_we_export(served):
         assert names, expr
         for name in names:
             assert name in exported, f"{name} (in {expr!r}) is not a series /metrics exports"
+
+
+def test_the_conductor_and_the_api_import_nothing_of_the_engine():
+    import subprocess
+    import sys
+    code = ("import sys, mooncake.api.server, mooncake.conductor.service; "
+            "print(sorted(m for m in sys.modules if m.startswith('mooncake.engine')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

@@ -1,6 +1,6 @@
 from mooncake.config import EngineConfig
 from mooncake.engine.block_pool import BlockPool
-from mooncake.engine.sampling import SamplingParams
+from mooncake.sampling import SamplingParams
 from mooncake.engine.scheduler import Scheduler
 from mooncake.engine.sequence import Sequence, SeqStatus
 

@@ -1,4 +1,5 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters, validated on construction. In the shared layer: the API parses them,
+the conductor forwards them, and the engine samples with them."""
 
 from dataclasses import dataclass
 
