@@ -23,7 +23,7 @@ from mooncake.conductor.metrics import ConductorMetrics
 from mooncake.conductor.policies import Estimators, make_placement_policy
 from mooncake.conductor.pool_watch import PoolWatcher
 from mooncake.conductor.prefix_index import PrefixIndex
-from mooncake.conductor.registry import Instance, InstanceRegistry
+from mooncake.conductor.instances import Instance, InstanceRegistry
 from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, Placement, PrefillView, RequestView
 from mooncake.config import MooncakeConfig
 from mooncake.sampling import SamplingParams

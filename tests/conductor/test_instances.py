@@ -1,5 +1,5 @@
 from mooncake import messages as m
-from mooncake.conductor.registry import InstanceRegistry
+from mooncake.conductor.instances import InstanceRegistry
 
 
 def reg(instance_id, role="decode"):
