@@ -112,6 +112,19 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def _stop_token_ids(body: dict, limits: ModelLimits) -> tuple[int, ...]:
+    """vLLM's `stop_token_ids`: generation stops after any of these tokens (it is kept in the output)."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise bad("'stop_token_ids' must be a list of token ids", "stop_token_ids", "invalid_type")
+    if limits.vocab_size and any(not 0 <= i < limits.vocab_size for i in ids):
+        raise bad(f"'stop_token_ids' must be token ids below {limits.vocab_size}", "stop_token_ids",
+                  "invalid_value")
+    return tuple(ids)
+
+
 def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_key: str,
             default_max_tokens: int) -> ParsedRequest:
     model = check_model(_field(body, "model", (str,)), limits)
@@ -147,6 +160,7 @@ def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_k
             max_tokens=max_tokens, temperature=float(_field(body, "temperature", (int, float), 1.0)),
             top_p=float(_field(body, "top_p", (int, float), 1.0)), top_k=_field(body, "top_k", (int,), 0),
             seed=_field(body, "seed", (int,), None), stop=_stop(body),
+            stop_token_ids=_stop_token_ids(body, limits),
             ignore_eos=_field(body, "ignore_eos", (bool,), False))
     except InvalidRequestError as exc:
         raise bad(str(exc)) from None

@@ -93,6 +93,8 @@ def ok_body(**extra):
     ("/v1/completions", ok_body(prompt=[1, 2, 999999]), "prompt"),
     ("/v1/completions", ok_body(prompt="x" * 5000), "prompt"),
     ("/v1/completions", ok_body(stop=[""]), "stop"),
+    ("/v1/completions", ok_body(stop_token_ids=[1, "2"]), "stop_token_ids"),
+    ("/v1/completions", ok_body(stop_token_ids=[999999]), "stop_token_ids"),
     ("/v1/chat/completions", {"model": "tiny"}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]},
