@@ -122,6 +122,8 @@ def dev(
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for every instance to be ready."),
     question: Optional[str] = typer.Option(None, "--ask", help="Once ready, ask this in a chat request and "
                                            "print the answer (then keep serving)."),
+    restart: bool = typer.Option(True, "--restart/--no-restart", help="Start again a process that exits "
+                                 "(requests it held move to the others meanwhile)."),
 ):
     """Run a whole cluster on this box: one process per role on loopback, the REST API at
     http://127.0.0.1:PORT/v1. Prints the URL once every instance is ready; Ctrl-C or SIGTERM stops all."""
@@ -136,7 +138,7 @@ def dev(
         overrides["instance.transport"] = transport
     cfg = load_config(config, overrides)
     resolve_model(cfg.engine.model)  # fetch once here, not in every process at the same time
-    run_dev(DevCluster(cfg, prefill, decode, cache, workdir), timeout, question)
+    run_dev(DevCluster(cfg, prefill, decode, cache, workdir), timeout, question, restart)
 
 
 keys_app = typer.Typer(no_args_is_help=True, help="The cluster's CURVE keys.")

@@ -26,6 +26,7 @@ from mooncake.security import generate_keys
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 15.0
+RESTART_BACKOFF_S = 5.0  # a process that exits is started again at most this often
 
 
 def _die_with_parent() -> None:
@@ -64,6 +65,8 @@ class Process:
     log_path: Path | None
     popen: subprocess.Popen | None = None
     is_exit_reported: bool = False
+    started_s: float = 0.0  # time.monotonic() of its last start
+    num_restarts: int = 0
 
     @property
     def pid(self) -> int:
@@ -128,8 +131,24 @@ class DevCluster:
         proc.popen = subprocess.Popen([sys.executable, "-m", "mooncake", "serve", "--role", proc.role,
                                        "--config", str(proc.config_path)], stdout=out, stderr=out,
                                       start_new_session=out is not None, preexec_fn=_die_with_parent)
+        proc.started_s = time.monotonic()
+        proc.is_exit_reported = False
         if out:
             out.close()
+
+    def restart_exited(self) -> list[Process]:
+        """Start again each process that exited on its own (at most once per RESTART_BACKOFF_S each, so a
+        role that cannot start does not spin); the processes restarted."""
+        restarted = []
+        for proc in self.processes:
+            if proc.popen is None or proc.popen.poll() is None:
+                continue
+            if time.monotonic() - proc.started_s < RESTART_BACKOFF_S:
+                continue
+            proc.num_restarts += 1
+            self.spawn(proc)
+            restarted.append(proc)
+        return restarted
 
     def start(self, timeout_s: float = 300.0) -> None:
         try:
@@ -172,16 +191,19 @@ class DevCluster:
         return ":\n" + "\n".join(proc.log_path.read_text(errors="replace").splitlines()[-15:])
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to one process; for a signal that ends it, wait until it has exited."""
         proc = self.process(name)
         if proc.popen is not None and proc.popen.poll() is None:
             os.kill(proc.pid, sig)
-            proc.popen.wait(timeout=STOP_TIMEOUT_S)
+            if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+                proc.popen.wait(timeout=STOP_TIMEOUT_S)
 
     def stop(self) -> None:
         """SIGTERM everything we started, in reverse order; SIGKILL what is still up after the deadline."""
         running = [p for p in reversed(self.processes) if p.popen is not None and p.popen.poll() is None]
         for proc in running:
             proc.popen.send_signal(signal.SIGTERM)
+            proc.popen.send_signal(signal.SIGCONT)  # one that was stopped (SIGSTOP) must run to exit
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in running:
             try:
@@ -214,9 +236,9 @@ def ask(url: str, model: str, question: str, timeout_s: float = 300.0) -> str:
         raise MooncakeError(f"the cluster answered {exc.code}: {exc.read().decode(errors='replace')}") from None
 
 
-def run_dev(cluster: DevCluster, timeout_s: float, question: str | None = None) -> None:
+def run_dev(cluster: DevCluster, timeout_s: float, question: str | None = None, restart: bool = True) -> None:
     """Start the cluster, print its URL (and the answer to `question`), and keep it up until Ctrl-C or
-    SIGTERM."""
+    SIGTERM; with `restart`, a process that exits is started again."""
     stopping = []
 
     def on_signal(signum, frame):
@@ -240,7 +262,11 @@ def run_dev(cluster: DevCluster, timeout_s: float, question: str | None = None) 
             for proc in cluster.processes:
                 if proc.popen.poll() is not None and not proc.is_exit_reported:
                     proc.is_exit_reported = True
-                    print(f"{proc.name} (pid {proc.pid}) exited with status {proc.popen.returncode}", file=sys.stderr)
+                    print(f"{proc.name} (pid {proc.pid}) exited with status {proc.popen.returncode}"
+                          + ("; restarting it" if restart else ""), file=sys.stderr)
+            if restart:
+                for proc in cluster.restart_exited():
+                    print(f"{proc.name} restarted (pid {proc.pid}, restart {proc.num_restarts})", file=sys.stderr)
     except KeyboardInterrupt:
         print("stopping ...", file=sys.stderr)
     finally:
