@@ -30,6 +30,7 @@ class Worker:
         self.transport = None
         self.data_address = ""
         self.supervisor: Supervisor | None = None
+        self._request_tasks: set[asyncio.Task] = set()
 
     @property
     def fatal(self):
@@ -58,6 +59,9 @@ class Worker:
         if self.loop is not None:
             await self.loop.stop()
             self.loop = None
+        for task in list(self._request_tasks):
+            task.cancel()
+        await asyncio.gather(*self._request_tasks, return_exceptions=True)
         await self.stop_role()
         if self.supervisor is not None:
             await self.supervisor.stop()
@@ -67,10 +71,33 @@ class Worker:
         return m.Heartbeat(instance_id=self.instance_id, num_waiting=len(engine.scheduler.waiting),
                            num_running=len(engine.scheduler.running), num_kv_blocks_used=engine.pool.num_used,
                            num_kv_blocks=engine.pool.num_blocks, step_samples=self.loop.drain_step_samples(),
-                           **self.cache_report())
+                           **self.heartbeat_report())
 
-    def cache_report(self) -> dict:
+    def heartbeat_report(self) -> dict:
         return {}
+
+    def spawn_for(self, request_id: str, coro, what: str) -> asyncio.Task:
+        """Run one request's step as its own task; an unexpected exception in it is logged and ends that
+        request with an error (the conductor then moves or fails it), never silently."""
+        task = asyncio.create_task(coro, name=f"{self.name}: {what} of {request_id}")
+        self._request_tasks.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._request_tasks.discard(t)
+            if t.cancelled() or t.exception() is None:
+                return
+            log.error("%s: %s of request %s failed", self.name, what, request_id, exc_info=t.exception())
+            cleanup = asyncio.ensure_future(self._fail_request(request_id, f"{what} failed: {t.exception()!r}"))
+            self._request_tasks.add(cleanup)
+            cleanup.add_done_callback(self._request_tasks.discard)
+        task.add_done_callback(done)
+        return task
+
+    async def _fail_request(self, request_id: str, error: str) -> None:
+        try:
+            await self.drop(request_id)
+        finally:
+            await self.report_failure(request_id, error)
 
     async def report_failure(self, request_id: str, error: str, is_invalid: bool = False) -> None:
         log.warning("%s: request %s failed: %s", self.name, request_id, error)
@@ -89,3 +116,7 @@ class Worker:
     async def on_outputs(self, outputs) -> None: ...
 
     async def on_message(self, msg) -> None: ...
+
+    async def drop(self, request_id: str) -> None:
+        """Free everything the request holds here."""
+        await self.loop.call(self.engine.abort, request_id)

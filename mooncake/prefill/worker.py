@@ -22,6 +22,8 @@ from mooncake.transfer.contract import TransferError, make_transport
 
 log = logging.getLogger(__name__)
 
+MAX_POOL_WRITES = 64  # chunks being written to the pool at once; past that, chunks skip the pool
+
 
 @dataclass
 class _Job:
@@ -46,6 +48,7 @@ class PrefillWorker(Worker):
         self.jobs: dict[str, _Job] = {}
         self.cache: CacheClient | None = None
         self._deadlines: asyncio.Task | None = None
+        self._pool_writes: set[asyncio.Task] = set()
 
     async def start_role(self) -> None:
         self.transport = make_transport(self.config.instance.transport, self.config)
@@ -68,12 +71,15 @@ class PrefillWorker(Worker):
         for job in self.jobs.values():
             for task in job.pushes:
                 task.cancel()
+        for task in list(self._pool_writes):
+            task.cancel()
+        await asyncio.gather(*self._pool_writes, return_exceptions=True)
         if self.cache is not None:
             await self.cache.stop()
         if self.transport is not None:
             await self.transport.stop()
 
-    def cache_report(self) -> dict:
+    def heartbeat_report(self) -> dict:
         added, evicted = [], []
         events = self.engine.pool.events
         while events:
@@ -85,9 +91,9 @@ class PrefillWorker(Worker):
 
     async def on_message(self, msg) -> None:
         if isinstance(msg, m.Prefill):
-            asyncio.create_task(self._admit(msg))
+            self.spawn_for(msg.request_id, self._admit(msg), "admission")
         elif isinstance(msg, m.Cancel):
-            await self._drop(msg.request_id)
+            await self.drop(msg.request_id)
         else:
             log.warning("%s: unexpected %s from the conductor", self.name, type(msg).__name__)
 
@@ -150,7 +156,7 @@ class PrefillWorker(Worker):
             elif job is not None and out.finished:
                 self._push_new_blocks(job)  # the last chunk's blocks (all of them, without stream_kv)
                 job.first_token, job.finish_reason = out.new_token_ids[0], out.finish_reason
-                asyncio.create_task(self._hand_off(job))
+                self.spawn_for(job.msg.request_id, self._hand_off(job), "the hand-off")
 
     def _push_new_blocks(self, job: _Job) -> None:
         request_id = job.msg.request_id
@@ -164,31 +170,50 @@ class PrefillWorker(Worker):
         job.pushes.append(asyncio.create_task(self._push(job, blocks, first)))
 
     async def _push(self, job: _Job, blocks: list[tuple[int, bytes]], first_block: int):
-        """One chunk's blocks to decode (must arrive) and to the pool (best effort)."""
+        """One chunk's blocks to decode (must arrive before the hand-off) and to the pool (best effort,
+        on its own: a slow or dead cache node never delays a hand-off)."""
         msg = job.msg
         to_pool = [b for i, b in enumerate(blocks) if first_block + i >= job.num_pool_blocks]
-        pool_write = (asyncio.create_task(self.cache.put_blocks(to_pool))
-                      if self.cache is not None and to_pool else None)
+        if self.cache is not None and to_pool:
+            self._write_pool(msg.request_id, to_pool)
+        if not msg.decode_address:  # none when the request ends with its first token
+            return None
         # NOTE: one transfer id per chunk: several chunks of a request may be in flight at once.
         result = await self.transport.send(msg.decode_address, blocks, self._time_left(job),
                                            f"{msg.request_id}/{first_block}")
-        if pool_write is not None:
-            refused = {k: e for k, e in (await pool_write).items() if e}
-            if refused:
-                log.info("%s: the pool did not take %d blocks of %s: %s", self.name, len(refused),
-                         msg.request_id, next(iter(refused.values())))
         if not result.ok:
             bad = next(b for b in result.blocks if not b.ok)
             raise TransferError(f"decode {msg.decode_id} at {msg.decode_address} did not take block "
                                 f"{bad.key:#x} of request {msg.request_id}: {bad.error}")
         return result
 
+    def _write_pool(self, request_id: str, blocks: list[tuple[int, bytes]]) -> None:
+        if len(self._pool_writes) >= MAX_POOL_WRITES:
+            # NOTE: the pool is not keeping up; holding more chunks in memory for it would not help it.
+            log.info("%s: %d pool writes pending; %d blocks of %s not written to the pool", self.name,
+                     len(self._pool_writes), len(blocks), request_id)
+            return
+        task = asyncio.create_task(self.cache.put_blocks(blocks))
+        self._pool_writes.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._pool_writes.discard(t)
+            if t.cancelled():
+                return
+            if t.exception() is not None:
+                log.warning("%s: writing %d blocks of %s to the pool failed: %r", self.name, len(blocks),
+                            request_id, t.exception())
+            elif refused := {k: e for k, e in t.result().items() if e}:
+                log.info("%s: the pool did not take %d blocks of %s: %s", self.name, len(refused), request_id,
+                         next(iter(refused.values())))
+        task.add_done_callback(done)
+
     async def _hand_off(self, job: _Job) -> None:
         msg = job.msg
         try:
             results = await asyncio.wait_for(asyncio.gather(*job.pushes), self._time_left(job))
         except (MooncakeError, asyncio.TimeoutError) as exc:
-            await self._drop(msg.request_id)
+            await self.drop(msg.request_id)
             await self.report_failure(msg.request_id, f"KV transfer to decode failed: {exc or 'deadline'}")
             return
         if self.jobs.pop(msg.request_id, None) is None:
@@ -197,8 +222,8 @@ class PrefillWorker(Worker):
         await self.link.send(m.PrefillDone(
             request_id=msg.request_id, first_token=job.first_token, finish_reason=job.finish_reason,
             num_cached_tokens=done.num_cached_tokens, num_computed_tokens=num_forwarded,
-            num_kv_blocks_sent=job.num_sent_blocks, kv_bytes=sum(r.num_bytes for r in results),
-            kv_seconds=sum(r.seconds for r in results), prefill_seconds=time.perf_counter() - job.received_s,
+            num_kv_blocks_sent=job.num_sent_blocks if msg.decode_address else 0,
+            kv_bytes=sum(r.num_bytes for r in results if r), kv_seconds=sum(r.seconds for r in results if r), prefill_seconds=time.perf_counter() - job.received_s,
             compute_seconds=job.compute_seconds,
             fetched_bytes=job.fetched_bytes, fetch_seconds=job.fetch_seconds))
 
@@ -207,7 +232,7 @@ class PrefillWorker(Worker):
         num_forwarded = self.engine.seqs[request_id].num_forwarded_tokens
         return self.engine.pop_completion(request_id), num_forwarded
 
-    async def _drop(self, request_id: str) -> None:
+    async def drop(self, request_id: str) -> None:
         job = self.jobs.pop(request_id, None)
         if job is not None:
             for task in job.pushes:
@@ -223,6 +248,6 @@ class PrefillWorker(Worker):
             now = time.perf_counter()
             late = [j for j in self.jobs.values() if now - j.received_s > j.msg.deadline_s]
             for job in late:
-                await self._drop(job.msg.request_id)
+                await self.drop(job.msg.request_id)
                 await self.report_failure(job.msg.request_id,
                                           f"prefill did not finish within {job.msg.deadline_s:g} s")
