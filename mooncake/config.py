@@ -132,7 +132,9 @@ class ConductorConfig:
     heartbeat_interval_s: float = 0.5  # told to each instance when it registers
     heartbeat_timeout_s: float = 3.0  # silent this long: the instance is dead, its requests fail
     prefill_timeout_s: float = 120.0  # placement to first token, at most
-    token_timeout_s: float = 30.0  # longest wait for the next token of a decoding request
+    token_timeout_s: float = 30.0  # longest wait for the next token of a decoding request; then it migrates
+    request_deadline_s: float = 900.0  # admission to the last token, at most, whatever happens on the way
+    migration_limit: int = 2  # times one request may move to other instances after a failure (0: never)
     # Seeds of the online models (refitted from measurements): prefill s = c0 + c1*n + c2*n^2 for n new
     # tokens; decode step s = a + b*batch + c*context tokens; KV bandwidth between holders.
     prefill_c0_s: float = 0.02
@@ -147,11 +149,13 @@ class ConductorConfig:
         _check_known("placement", self.placement, "conductor.placement")
         _check_known("admission", self.admission, "conductor.admission")
         for key in ("balancing_threshold", "ttft_slo_s", "tbt_slo_s", "heartbeat_interval_s",
-                    "heartbeat_timeout_s", "prefill_timeout_s", "token_timeout_s", "bandwidth_bytes_per_s"):
+                    "heartbeat_timeout_s", "prefill_timeout_s", "token_timeout_s", "request_deadline_s",
+                    "bandwidth_bytes_per_s"):
             _check(getattr(self, key) > 0, f"conductor.{key}", "must be > 0")
         for key in ("prefill_c0_s", "prefill_s_per_token", "prefill_s_per_token2", "decode_step_s",
                     "decode_s_per_seq", "decode_s_per_context_token"):
             _check(getattr(self, key) >= 0, f"conductor.{key}", "must be >= 0")
+        _check(self.migration_limit >= 0, "conductor.migration_limit", "must be >= 0")
         _check(self.heartbeat_timeout_s > self.heartbeat_interval_s, "conductor.heartbeat_timeout_s",
                "must be longer than conductor.heartbeat_interval_s")
         _check("://" in self.control_address, "conductor.control_address",

@@ -140,6 +140,7 @@ class Heartbeat(Message, tag="heartbeat"):
     num_running: int = 0
     num_kv_blocks_used: int = 0  # blocks some request holds (not merely cached)
     num_kv_blocks: int = 0
+    num_inbox_blocks: int = 0  # decode: KV blocks pushed to it that no request has claimed yet
     step_samples: list[tuple[int, int, float]] = []  # decode: [batch, context tokens, seconds] per step
     cached_blocks: list[int] = []  # prefill: hashes newly in its local prefix cache
     evicted_blocks: list[int] = []
@@ -197,6 +198,7 @@ class Cancel(Message, tag="cancel"):
     """Conductor -> instance: drop the request and free every block it holds."""
 
     request_id: str
+    block_hashes: list[int] = []  # decode: the request's blocks still unclaimed in its KV inbox
 
 
 class RequestFailed(Message, tag="request_failed"):

@@ -142,6 +142,14 @@ class ApiServer:
         body = await _json(request)
         parsed = parse(body, self.conductor.tokenizer, self.limits)
         flights = await self._submit(parsed)
+        try:
+            return await self._answer(request, body, parsed, flights, chat)
+        finally:
+            # NOTE: a client that goes away before a stream starts must not leave its requests behind.
+            for flight in flights:
+                self.conductor.abandon(flight)
+
+    async def _answer(self, request, body, parsed, flights: list, chat: bool):
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         shape = Shape(chat, response_id, int(time.time()), parsed.model, body.get("return_token_ids") is True)
         if parsed.stream:

@@ -26,10 +26,7 @@ class InstanceRegistry:
 
     def register(self, msg: m.Register, now: float) -> Instance:
         """Add (or re-add after a restart) an instance; requests it had before are not its any more."""
-        old = self.instances.get(msg.instance_id)
         instance = Instance(msg.instance_id, msg.role, msg.transport, msg.data_address, msg.num_kv_blocks, now)
-        if old is not None and old.is_alive:
-            instance.request_ids = old.request_ids
         self.instances[msg.instance_id] = instance
         return instance
 

@@ -17,6 +17,9 @@ class ConductorMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("mooncake_requests", "Finished requests by outcome (ok, error, cancelled)",
                                 ["outcome"], registry=r)
+        self.migrations = Counter("mooncake_migrations", "Requests moved to other instances after a failure, by "
+                                  "outcome (moved; limit: past conductor.migration_limit; no_instance)",
+                                  ["outcome"], registry=r)
         self.rejections = Counter("mooncake_rejections", "Requests rejected at admission, by reason",
                                   ["reason"], registry=r)
         self.ttft = Histogram("mooncake_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS_S,
@@ -53,6 +56,8 @@ class ConductorMetrics:
                              ["instance"], registry=r)
         self.kv_used = Gauge("mooncake_instance_kv_blocks_used", "KV blocks held by requests", ["instance"],
                              registry=r)
+        self.kv_inbox = Gauge("mooncake_instance_kv_inbox_blocks", "KV blocks pushed to a decode instance that no "
+                              "request has claimed yet", ["instance"], registry=r)
         self.kv_total = Gauge("mooncake_instance_kv_blocks", "KV blocks of the instance", ["instance"], registry=r)
         # The cache nodes' own counters, polled by the conductor so one scrape covers the pool too.
         node_tier = ["node", "tier"]

@@ -1,94 +1,42 @@
-"""The conductor role's control plane and request path (DESIGN section 3).
+"""The conductor role (DESIGN section 3): the request path, from admission to the one terminal state.
 
-Instances register and heartbeat over one ROUTER socket; the registry marks the silent ones dead and
-their requests fail with a clear error. For each request: hash the prompt's blocks, place it with the
-configured policy (Algorithm 1 by default), ask admission (early rejection), send `Prefill`, wait for
+For each request: hash the prompt's blocks, place and admit it (decide.py), send `Prefill`, wait for
 `PrefillDone` (the first token; the KV is then in decode's inbox), send `Decode`, and relay `Tokens`.
-Every wait has a deadline; whatever way a request ends, its instances are told to let it go."""
+Every wait has a deadline. When an instance of the request dies, hangs or fails it, the request migrates
+(flight.py): a new leg resumes from the prompt plus the tokens already streamed, on other instances,
+reusing the prompt's KV where the pool or a prefill instance's cache holds it, and the client's stream
+goes on. Whatever way a request ends, every instance that held it is told to let it go. The control
+socket is control.py's; the pool's index feed is pool_watch.py's."""
 
 import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
-
-import zmq
-import zmq.asyncio
 
 from mooncake import messages as m
-from mooncake import security
-from mooncake.conductor.admission import make_admission_policy
+from mooncake.conductor.control import ControlPlane
+from mooncake.conductor.decide import Decider, cluster_view
 from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
+from mooncake.conductor.flight import (Flight, LegFailed, Rejected, RequestError, StreamEvent, Unavailable,
+                                       wire_sampling)
+from mooncake.conductor.instances import Instance, InstanceRegistry
 from mooncake.conductor.metrics import ConductorMetrics
-from mooncake.conductor.policies import Estimators, make_placement_policy
+from mooncake.conductor.policies import Estimators
 from mooncake.conductor.pool_watch import PoolWatcher
 from mooncake.conductor.prefix_index import PrefixIndex
-from mooncake.conductor.instances import Instance, InstanceRegistry
-from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, Placement, PrefillView, RequestView
+from mooncake.conductor.view import DecodeLoad, RequestView
 from mooncake.config import MooncakeConfig
-from mooncake.sampling import SamplingParams
-from mooncake.errors import MooncakeError
 from mooncake.hashing import hash_blocks, make_namespace
 from mooncake.models import resolve_model
 from mooncake.runtime import Supervisor
+from mooncake.sampling import SamplingParams
 from mooncake.text import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
+__all__ = ["Conductor", "Rejected", "RequestError", "StreamEvent", "Unavailable"]
 
-class Unavailable(MooncakeError):
-    """No live instance can take the request (HTTP 503)."""
-
-
-class Rejected(MooncakeError):
-    """Admission predicts an SLO miss (HTTP 429 with Retry-After)."""
-
-    def __init__(self, reason: str, message: str, retry_after_s: float):
-        super().__init__(message)
-        self.reason = reason
-        self.retry_after_s = retry_after_s
-
-
-class RequestError(MooncakeError):
-    """The request ended in an error on the way (dead instance, deadline, refused by an instance)."""
-
-    def __init__(self, message: str, is_invalid: bool = False):
-        super().__init__(message)
-        self.is_invalid = is_invalid
-
-
-@dataclass(frozen=True)
-class StreamEvent:
-    text: str  # new text since the last event
-    token_ids: list[int]
-    finish_reason: str | None = None
-
-
-@dataclass
-class Flight:
-    """A request between admission and its end, with the inbox its instances' reports land in."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    block_hashes: list[int]
-    params: SamplingParams
-    placement: Placement
-    predicted_prefill_s: float
-    decode_load: DecodeLoad
-    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
-    in_prefill: bool = True
-    num_cached_tokens: int = 0
-    num_completion_tokens: int = 0
-    finished: bool = False
-    admitted_s: float = 0.0  # the conductor's clock
-    ttft_s: float = 0.0
-    gaps_s: list[float] = field(default_factory=list)  # between consecutive token messages
-
-
-def _wire_sampling(params: SamplingParams) -> dict:
-    """The sampling fields instances need; stop strings stay here (the conductor matches them on text)."""
-    return {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-            "seed": params.seed, "ignore_eos": params.ignore_eos, "stop_token_ids": list(params.stop_token_ids)}
+RETRY_PLACEMENT_S = 0.25  # a migrating request with no instance to go to looks again this often
 
 
 class Conductor:
@@ -104,17 +52,15 @@ class Conductor:
             PrefillTimeModel(self.cfg.prefill_c0_s, self.cfg.prefill_s_per_token, self.cfg.prefill_s_per_token2),
             DecodeStepModel(self.cfg.decode_step_s, self.cfg.decode_s_per_seq, self.cfg.decode_s_per_context_token),
             BandwidthEstimator(self.cfg.bandwidth_bytes_per_s))
-        kwargs = {"balancing_threshold": self.cfg.balancing_threshold} if self.cfg.placement == "kvcache-centric" else {}
-        self.policy = make_placement_policy(self.cfg.placement, self.index, self.estimators, **kwargs)
-        self.admission = make_admission_policy(self.cfg.admission, self.estimators.decode_step,
-                                               self.cfg.ttft_slo_s, self.cfg.tbt_slo_s)
-        self.flights: dict[str, Flight] = {}
+        self.decider = Decider(self.cfg, self.index, self.estimators)
+        self.control = ControlPlane(self.cfg, self.registry, self.index, self.estimators, self.metrics, clock,
+                                    route=self._route, on_dead=self._on_dead)
+        self.flights: dict[str, Flight] = {}  # by the wire id of their current leg
         self.model = None
         self.tokenizer = None
-        self.ctx: zmq.asyncio.Context | None = None
-        self.router = None
         self.pool: PoolWatcher | None = None
         self.supervisor: Supervisor | None = None
+        self._sends: set[asyncio.Task] = set()
 
     @property
     def fatal(self):
@@ -131,22 +77,11 @@ class Conductor:
         max_positions = self.model.config.get("max_position_embeddings", 2048)
         self.max_model_len = min(self.config.engine.max_model_len or max_positions, max_positions)
         self.block_bytes = self._kv_bytes_per_token() * self.block_size
-        self.ctx = zmq.asyncio.Context()
-        self.router = security.server(self.ctx.socket(zmq.ROUTER))
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        try:
-            self.router.bind(self.cfg.control_address)
-        except zmq.ZMQError as exc:
-            await self.stop()
-            raise MooncakeError(f"conductor: cannot listen on conductor.control_address = "
-                                f"{self.cfg.control_address}: {exc}") from None
+        self.supervisor = Supervisor(self.name)
+        await self.control.start(self.supervisor, self.model.model_id, self.block_size)
         self.pool = PoolWatcher(self.config.cache_client.nodes, self.index, self.config.cache_client.timeout_s,
                                 on_stats=self.metrics.record_cache_stats)
         self.pool.start()
-        self.supervisor = Supervisor(self.name)
-        self.supervisor.spawn(self._receive(), "the control-plane receive loop")
-        self.supervisor.spawn(self._watch_liveness(), "the liveness watch")
         log.info("conductor ready: model %s (%s), control %s, placement %s, admission %s",
                  self.config.engine.model, self.model.model_id, self.cfg.control_address, self.cfg.placement,
                  self.cfg.admission)
@@ -156,13 +91,11 @@ class Conductor:
             await self.supervisor.stop()
         for flight in list(self.flights.values()):
             flight.inbox.put_nowait(RequestError("the conductor is shutting down"))
+        if self._sends:
+            await asyncio.wait(list(self._sends), timeout=1.0)
         if self.pool is not None:
             await self.pool.stop()
-        if self.ctx is not None:
-            self.router.close(linger=0)
-            security.release(self.ctx)
-            self.ctx.term()
-            self.ctx = None
+        await self.control.stop()
 
     def _kv_bytes_per_token(self) -> int:
         c = self.model.config
@@ -171,54 +104,31 @@ class Conductor:
         dtype_bytes = 4 if self.config.engine.dtype == "float32" else 2
         return 2 * c["num_hidden_layers"] * num_kv_heads * head_dim * dtype_bytes
 
+    def health(self) -> dict:
+        return {role: [i.instance_id for i in self.registry.alive(role)] for role in ("prefill", "decode")} | {
+            "cache": sorted(self.pool.node_ids.values()) if self.pool else []}
+
     # -- the request path ---------------------------------------------------------------------------
 
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> Flight:
-        """Place and admit a request and send it to prefill; raises Unavailable or Rejected."""
+        """Place and admit a request and send it to prefill; raises Unavailable or Rejected. The caller
+        then owns it: it must `stream` it to its end or `abandon` it."""
         now = self.clock()
-        request_id = uuid.uuid4().hex
-        hashes = hash_blocks(prompt_token_ids, self.block_size, self.namespace)
-        view = RequestView(request_id, len(prompt_token_ids), tuple(hashes), params.max_tokens, now)
-        cluster = self.cluster_view(now)
-        placement = self.policy.place(view, cluster, now)
-        if placement is None:
-            missing = " and ".join(r for r in ("prefill", "decode") if not self.registry.alive(r))
-            raise Unavailable(f"no live {missing} instance to serve the request; retry when one has registered")
-        rejection = self.admission.admit(view, placement, cluster, now)
-        if rejection is not None:
-            self.metrics.rejections.labels(rejection.reason).inc()
-            log.info("rejected %s: %s (TTFT %.2f s, TBT %.3f s predicted)", request_id, rejection.reason,
-                     rejection.ttft_s, rejection.tbt_s)
-            if rejection.reason == "ttft_slo":
-                what = f"time to first token {rejection.ttft_s:.2f} s exceeds conductor.ttft_slo_s = {self.cfg.ttft_slo_s:g} s"
-            else:
-                what = f"time between tokens {rejection.tbt_s:.3f} s exceeds conductor.tbt_slo_s = {self.cfg.tbt_slo_s:g} s"
-            raise Rejected(rejection.reason, f"the cluster is overloaded: the predicted {what}; retry later",
-                           retry_after_s=max(1.0, placement.ttft_s))
-        reused_tokens = placement.reuse_blocks * self.block_size
-        predicted_prefill_s = self.estimators.prefill_time.predict(len(prompt_token_ids), reused_tokens)
-        start = now + placement.ttft_s
-        flight = Flight(request_id, list(prompt_token_ids), hashes, params, placement, predicted_prefill_s,
-                        DecodeLoad(start, start + params.max_tokens * max(placement.tbt_s, 1e-3),
-                                   len(prompt_token_ids) + params.max_tokens), admitted_s=now)
-        self.flights[request_id] = flight
-        for instance_id in (placement.prefill_id, placement.decode_id):
-            self.registry.get(instance_id).request_ids.add(request_id)
-            self.metrics.in_flight.labels(instance_id).inc()
-        decode = self.registry.get(placement.decode_id)
-        ok = await self._send(placement.prefill_id, m.Prefill(
-            request_id=request_id, token_ids=flight.prompt_token_ids, block_hashes=hashes,
-            sampling=_wire_sampling(params), decode_id=decode.instance_id, decode_transport=decode.transport,
-            decode_address=decode.data_address, reuse_blocks=placement.reuse_blocks,
-            deadline_s=self.cfg.prefill_timeout_s))
-        if not ok:
+        flight = Flight(uuid.uuid4().hex, list(prompt_token_ids), params, admitted_s=now,
+                        deadline_s=now + self.cfg.request_deadline_s)
+        try:
+            await self._start_leg(flight, admit=True)
+        except Rejected as exc:
+            self.metrics.rejections.labels(exc.reason).inc()
+            raise
+        except LegFailed as exc:
             self._end(flight, "error")
-            raise Unavailable(f"prefill instance {placement.prefill_id} is unreachable; retry")
+            raise Unavailable(f"{exc}; retry") from None
         return flight
 
     def abandon(self, flight: Flight) -> None:
-        """Let go of a submitted request that will not be streamed (another choice of its HTTP request was
-        refused): its instances are told to free it."""
+        """Let go of a submitted request that will not be streamed (its client went away, or another choice
+        of its HTTP request was refused); its instances are told to free it. Does nothing once it ended."""
         self._end(flight, "cancelled")
 
     async def stream(self, flight: Flight):
@@ -234,67 +144,104 @@ class Conductor:
         finally:
             self._end(flight, outcome)
 
+    async def _start_leg(self, flight: Flight, admit: bool, avoid: tuple[str, ...] = ()) -> None:
+        """Place the request's next leg (its prompt and every token streamed so far) and send `Prefill`."""
+        now = self.clock()
+        tokens = flight.leg_token_ids
+        hashes = hash_blocks(tokens, self.block_size, self.namespace)
+        remaining = flight.params.max_tokens - len(flight.generated)
+        view = RequestView(flight.request_id, len(tokens), tuple(hashes), remaining, now)
+        cluster = cluster_view(self.registry, self.flights, self.block_size, self.block_bytes, avoid)
+        p = self.decider.decide(view, cluster, now, admit)
+        flight.num_legs += 1
+        flight.wire_id = flight.request_id if flight.num_legs == 1 else f"{flight.request_id}.{flight.num_legs - 1}"
+        flight.block_hashes, flight.placement, flight.in_prefill, flight.is_decode_sent = hashes, p, True, False
+        flight.predicted_prefill_s = self.estimators.prefill_time.predict(len(tokens), p.reuse_blocks * self.block_size)
+        start = now + p.ttft_s
+        flight.decode_load = DecodeLoad(start, start + remaining * max(p.tbt_s, 1e-3), len(tokens) + remaining)
+        self.flights[flight.wire_id] = flight
+        # NOTE: a request that ends with its first token never reaches decode, so it ships no KV there.
+        ships_kv = remaining > 1
+        self._hold(flight, p.prefill_id)
+        if ships_kv:
+            self._hold(flight, p.decode_id)
+        decode = self.registry.get(p.decode_id)
+        time_left_s = flight.deadline_s - now
+        if not await self.control.send(p.prefill_id, m.Prefill(
+                request_id=flight.wire_id, token_ids=tokens, block_hashes=hashes,
+                sampling=wire_sampling(flight.params), decode_id=decode.instance_id,
+                decode_transport=decode.transport, decode_address=decode.data_address if ships_kv else "",
+                reuse_blocks=p.reuse_blocks, deadline_s=max(0.01, min(self.cfg.prefill_timeout_s, time_left_s)))):
+            raise LegFailed(f"prefill instance {p.prefill_id} is unreachable", (p.prefill_id,))
+
     async def _run(self, flight: Flight):
-        params, request_id = flight.params, flight.request_id
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        started = self.clock()
-        done = await self._next(flight, self.cfg.prefill_timeout_s, "the first token")
-        flight.in_prefill = False
-        self._on_prefill_done(flight, done)
-        self.registry.get(flight.placement.prefill_id).request_ids.discard(request_id)
-        self.metrics.in_flight.labels(flight.placement.prefill_id).dec()
-        last = self.clock()
-        flight.ttft_s = last - started
-        self.metrics.ttft.observe(flight.ttft_s)
-        reason = done.finish_reason if done.finish_reason == "stop" or params.max_tokens == 1 else None
-        event = self._event(flight, detok, [done.first_token], reason)
-        yield event
-        if event.finish_reason is not None:
-            return
-        decode_id = flight.placement.decode_id
-        sampling = {**_wire_sampling(params), "max_tokens": params.max_tokens - 1}  # the first token is out
-        if not await self._send(decode_id, m.Decode(request_id=request_id,
-                                                    token_ids=flight.prompt_token_ids + [done.first_token],
-                                                    block_hashes=flight.block_hashes, sampling=sampling)):
-            raise RequestError(f"decode instance {decode_id} is unreachable")
+        detok = IncrementalDetokenizer(self.tokenizer, flight.params.stop)
+        started, last = self.clock(), None
         while True:
-            tokens = await self._next(flight, self.cfg.token_timeout_s, "the next token")
+            try:
+                msg = await self._next(flight)
+                if isinstance(msg, m.PrefillDone):
+                    token_ids, reason = self._on_prefill_done(flight, msg)
+                else:
+                    token_ids, reason = msg.token_ids, msg.finish_reason
+                    if reason is not None:
+                        self._let_go(flight, flight.placement.decode_id, cancel=False)  # it freed the request
+            except LegFailed as exc:
+                await self._migrate(flight, exc)
+                continue
             now = self.clock()
-            self.metrics.tbt.observe(now - last)
-            flight.gaps_s.append(now - last)
+            if last is None:
+                flight.ttft_s = now - started
+                self.metrics.ttft.observe(flight.ttft_s)
+            else:
+                self.metrics.tbt.observe(now - last)
+                flight.gaps_s.append(now - last)
             last = now
-            event = self._event(flight, detok, tokens.token_ids, tokens.finish_reason)
+            event = self._event(flight, detok, token_ids, reason)
+            if event.finish_reason is None and isinstance(msg, m.PrefillDone):
+                await self._send_decode(flight)
             yield event
             if event.finish_reason is not None:
                 return
 
-    def _event(self, flight: Flight, detok: IncrementalDetokenizer, token_ids: list[int],
-               finish_reason: str | None) -> StreamEvent:
-        flight.num_completion_tokens += len(token_ids)
-        self.metrics.completion_tokens.inc(len(token_ids))
-        text = detok.add(token_ids, final=finish_reason is not None)
-        if detok.stopped:
-            finish_reason = "stop"
-        if finish_reason is not None:
-            flight.finished = True
-        return StreamEvent(text, token_ids, finish_reason)
+    async def _send_decode(self, flight: Flight) -> None:
+        decode_id = flight.placement.decode_id
+        remaining = flight.params.max_tokens - len(flight.generated)
+        flight.is_decode_sent = True
+        if not await self.control.send(decode_id, m.Decode(
+                request_id=flight.wire_id, token_ids=flight.leg_token_ids, block_hashes=flight.block_hashes,
+                sampling=wire_sampling(flight.params, max_tokens=remaining))):
+            flight.inbox.put_nowait(LegFailed(f"decode instance {decode_id} is unreachable", (decode_id,)))
 
-    async def _next(self, flight: Flight, timeout_s: float, what: str):
+    async def _next(self, flight: Flight):
+        """The next report of the current leg: PrefillDone or Tokens. Raises LegFailed when the leg cannot
+        go on and RequestError when the request cannot."""
+        decode_id = flight.placement.decode_id
+        timeout_s = self.cfg.prefill_timeout_s if flight.in_prefill else self.cfg.token_timeout_s
+        time_left_s = flight.deadline_s - self.clock()
         try:
-            msg = await asyncio.wait_for(flight.inbox.get(), timeout_s)
+            msg = await asyncio.wait_for(flight.inbox.get(), max(0.0, min(timeout_s, time_left_s)))
         except asyncio.TimeoutError:
-            raise RequestError(f"request {flight.request_id}: no {what} within {timeout_s:g} s") from None
-        if isinstance(msg, RequestError):
+            if timeout_s >= time_left_s:
+                raise RequestError(f"request {flight.request_id} did not finish within conductor.request_deadline_s"
+                                   f" = {self.cfg.request_deadline_s:g} s") from None
+            if flight.in_prefill:
+                raise RequestError(f"request {flight.request_id}: no first token within "
+                                   f"conductor.prefill_timeout_s = {timeout_s:g} s") from None
+            raise LegFailed(f"decode instance {decode_id} sent no token of request {flight.request_id} for "
+                            f"{timeout_s:g} s (conductor.token_timeout_s)", (decode_id,)) from None
+        if isinstance(msg, (RequestError, LegFailed)):
             raise msg
-        if isinstance(msg, m.RequestFailed):
-            raise RequestError(msg.error, msg.is_invalid)
         return msg
 
-    def _on_prefill_done(self, flight: Flight, done: m.PrefillDone) -> None:
+    def _on_prefill_done(self, flight: Flight, done: m.PrefillDone) -> tuple[list[int], str | None]:
         p = flight.placement
-        flight.num_cached_tokens = done.num_cached_tokens
-        n = len(flight.prompt_token_ids)
-        self.metrics.prompt_tokens.inc(n)
+        flight.in_prefill = False
+        self._let_go(flight, p.prefill_id, cancel=False)  # it released the request itself
+        n = len(flight.leg_token_ids)
+        if flight.num_legs == 1:
+            flight.num_cached_tokens = done.num_cached_tokens
+            self.metrics.prompt_tokens.inc(n)
         self.metrics.cached_tokens.inc(done.num_cached_tokens)
         self.metrics.computed_tokens.labels(p.prefill_id).inc(done.num_computed_tokens)
         self.metrics.kv_bytes.labels(p.prefill_id).inc(done.kv_bytes)
@@ -307,24 +254,92 @@ class Conductor:
             self.estimators.bandwidth.observe(p.fetch_from, p.prefill_id, done.fetched_bytes, done.fetch_seconds)
         # NOTE: the decode load was predicted at placement; now the real start is known.
         flight.decode_load = DecodeLoad(self.clock(), flight.decode_load.finish_s, flight.decode_load.context_tokens)
+        remaining = flight.params.max_tokens - len(flight.generated)
+        reason = done.finish_reason if done.finish_reason == "stop" or remaining == 1 else None
+        return [done.first_token], reason
+
+    def _event(self, flight: Flight, detok: IncrementalDetokenizer, token_ids: list[int],
+               finish_reason: str | None) -> StreamEvent:
+        flight.generated += token_ids
+        self.metrics.completion_tokens.inc(len(token_ids))
+        text = detok.add(token_ids, final=finish_reason is not None)
+        if detok.stopped:
+            finish_reason = "stop"
+        if finish_reason is not None:
+            flight.finished = True
+        return StreamEvent(text, token_ids, finish_reason)
+
+    async def _migrate(self, flight: Flight, failure: LegFailed) -> None:
+        """Move the request to other instances, resuming after the tokens already streamed; raises
+        RequestError when it may not move again or has nowhere to go before its deadline."""
+        if flight.num_migrations >= self.cfg.migration_limit:
+            self.metrics.migrations.labels("limit").inc()
+            raise RequestError(f"{failure}; request {flight.request_id} failed (it moved {flight.num_migrations} "
+                               f"times; conductor.migration_limit = {self.cfg.migration_limit})")
+        self._end_leg(flight)
+        # NOTE: a role that is being restarted comes back within seconds; wait for it as long as a token may take.
+        give_up_s = min(flight.deadline_s, self.clock() + self.cfg.token_timeout_s)
+        avoid = failure.suspects
+        while True:
+            try:
+                await self._start_leg(flight, admit=False, avoid=avoid)
+                break
+            except Unavailable as exc:
+                if self.clock() + RETRY_PLACEMENT_S > give_up_s:
+                    self.metrics.migrations.labels("no_instance").inc()
+                    raise RequestError(f"{failure}; request {flight.request_id} could not move: {exc}") from None
+            except LegFailed as exc:
+                self._end_leg(flight)
+                avoid += exc.suspects
+            await asyncio.sleep(RETRY_PLACEMENT_S)
+        self.metrics.migrations.labels("moved").inc()
+        p = flight.placement
+        log.warning("request %s: %s; moved to prefill %s and decode %s, resuming after %d tokens "
+                    "(%d of the prompt's blocks reused)", flight.request_id, failure, p.prefill_id, p.decode_id,
+                    len(flight.generated), p.reuse_blocks)
+
+    def _end_leg(self, flight: Flight) -> None:
+        """Forget the current leg and tell whoever still holds it to free it."""
+        self.flights.pop(flight.wire_id, None)
+        for instance_id in list(flight.holders):
+            self._let_go(flight, instance_id, cancel=True)
+        while not flight.inbox.empty():  # reports of the old leg
+            flight.inbox.get_nowait()
 
     def _end(self, flight: Flight, outcome: str) -> None:
-        """Forget the request and, unless it ended cleanly, tell its instances to free what it holds."""
-        if self.flights.pop(flight.request_id, None) is None:
+        """The request's one terminal state: count it, forget it, and free it wherever it is held."""
+        if flight.ended:
             return
+        flight.ended = True
+        self._end_leg(flight)
         self.metrics.requests.labels(outcome).inc()
         if outcome == "ok":
             self.metrics.e2e.observe(self.clock() - flight.admitted_s)
             self.metrics.slo.labels(str(self._within_slo(flight)).lower()).inc()
-        holders = [flight.placement.decode_id] + ([flight.placement.prefill_id] if flight.in_prefill else [])
-        for instance_id in holders:
-            instance = self.registry.get(instance_id)
-            if instance is not None and flight.request_id in instance.request_ids:
-                instance.request_ids.discard(flight.request_id)
-                self.metrics.in_flight.labels(instance_id).dec()
-        if not flight.finished:
-            for instance_id in (flight.placement.prefill_id, flight.placement.decode_id):
-                asyncio.ensure_future(self._send(instance_id, m.Cancel(request_id=flight.request_id)))
+
+    def _hold(self, flight: Flight, instance_id: str) -> None:
+        flight.holders.add(instance_id)
+        self.registry.get(instance_id).request_ids.add(flight.wire_id)
+        self.metrics.in_flight.labels(instance_id).inc()
+
+    def _let_go(self, flight: Flight, instance_id: str, cancel: bool) -> None:
+        if instance_id not in flight.holders:
+            return
+        flight.holders.discard(instance_id)
+        self.metrics.in_flight.labels(instance_id).dec()
+        instance = self.registry.get(instance_id)
+        if instance is not None:
+            instance.request_ids.discard(flight.wire_id)
+        if cancel:
+            # NOTE: until `Decode` claims them, the leg's blocks wait in decode's inbox: name them.
+            is_unclaimed = instance_id == flight.placement.decode_id and not flight.is_decode_sent
+            unclaimed = flight.block_hashes if is_unclaimed else []
+            self._send_soon(instance_id, m.Cancel(request_id=flight.wire_id, block_hashes=unclaimed))
+
+    def _send_soon(self, instance_id: str, msg) -> None:
+        task = asyncio.ensure_future(self.control.send(instance_id, msg))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
 
     def _within_slo(self, flight: Flight) -> bool:
         """TTFT within its SLO, and TBT as the paper measures it: the mean of the slowest 10% of gaps."""
@@ -332,153 +347,34 @@ class Conductor:
         tbt_s = sum(slowest) / len(slowest) if slowest else 0.0
         return flight.ttft_s <= self.cfg.ttft_slo_s and tbt_s <= self.cfg.tbt_slo_s
 
-    # -- what the policies see ------------------------------------------------------------------------
+    # -- what the control plane hands over ------------------------------------------------------------
 
-    def cluster_view(self, now: float) -> ClusterView:
-        prefills, decodes = [], []
-        for instance in self.registry.alive("prefill"):
-            queued = [self.flights[r] for r in instance.request_ids if r in self.flights]
-            prefills.append(PrefillView(instance.instance_id, sum(f.predicted_prefill_s for f in queued if f.in_prefill),
-                                        len(queued)))
-        for instance in self.registry.alive("decode"):
-            decodes.append(DecodeView(instance.instance_id, [self.flights[r].decode_load
-                                                             for r in instance.request_ids if r in self.flights]))
-        return ClusterView(prefills, decodes, self.block_size, self.block_bytes)
-
-    # -- control plane --------------------------------------------------------------------------------
-
-    async def _send(self, instance_id: str, msg) -> bool:
-        try:
-            await self.router.send_multipart([instance_id.encode(), m.encode(msg)])
-            return True
-        except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY: not connected
-            log.warning("cannot reach %s with %s: %s", instance_id, msg.TAG, exc)
-            return False
-
-    async def _receive(self) -> None:
-        while True:
-            identity, *frames = await self.router.recv_multipart()
-            sender = identity.decode(errors="replace")
-            try:
-                reply = self._on_frames(sender, frames)
-            except Exception:  # noqa: BLE001  one message must not end the control plane
-                log.exception("handling a control message from %r failed", sender)
-                reply = m.ErrorReply(error="internal error; see the conductor's log")
-            if reply is not None:
-                try:
-                    await self.router.send_multipart([identity, m.encode(reply)])
-                except zmq.ZMQError as exc:  # the sender is gone (ROUTER_MANDATORY)
-                    log.debug("cannot answer %r: %s", sender, exc)
-
-    def _on_frames(self, sender: str, frames: list[bytes]):
-        try:
-            if len(frames) != 1:
-                raise m.MessageError(f"expected 1 frame after the identity, got {len(frames)}")
-            msg = m.decode(frames[0])
-        except m.MessageError as exc:
-            log.warning("malformed control message from %r: %s", sender, exc)
-            return m.ErrorReply(error=str(exc))
-        return self._handle(msg, sender)
-
-    def _handle(self, msg, sender: str):
-        """One control message from the connection whose identity is `sender`. A message that names an
-        instance counts only from that instance's own connection (the identity it registered with);
-        ZeroMQ refuses a second connection under an identity already connected."""
-        now = self.clock()
-        if isinstance(msg, m.Register):
-            return self._register(msg, sender, now)
-        if isinstance(msg, (m.Heartbeat, m.Leave)) and msg.instance_id != sender:
-            log.warning("ignored %s naming %r from the connection of %r", msg.TAG, msg.instance_id, sender)
-            return m.ErrorReply(error=f"{msg.TAG} may name only the sender's own instance")
-        if isinstance(msg, m.Heartbeat):
-            instance = self.registry.heartbeat(msg, now)
-            if instance is None:
-                return m.RegisterReply(accepted=False, error="unregistered")
-            self._on_heartbeat(instance, msg)
-            return None
-        if isinstance(msg, m.Leave):
-            instance = self.registry.get(msg.instance_id)
-            if instance is not None and instance.is_alive:
-                self.registry.leave(msg.instance_id)
-                self._on_dead(instance, "left the cluster")
-            return None
-        if isinstance(msg, (m.PrefillDone, m.Tokens, m.RequestFailed)):
-            flight = self.flights.get(msg.request_id)
-            if flight is None:
-                if isinstance(msg, m.RequestFailed) or msg.finish_reason is not None:
-                    return None
-                return m.Cancel(request_id=msg.request_id)  # a request we gave up on: free it there
-            placed = flight.placement
-            holders = {m.PrefillDone: (placed.prefill_id,), m.Tokens: (placed.decode_id,)}.get(
-                type(msg), (placed.prefill_id, placed.decode_id))
-            if sender not in holders:
-                log.warning("ignored %s of request %s from %r, which does not hold it", msg.TAG,
-                            msg.request_id, sender)
+    def _route(self, msg, sender: str):
+        """A report of a request from instance `sender`: into its flight's inbox if it holds the current
+        leg; a report of a leg that is over is answered with `Cancel` so the instance frees it."""
+        flight = self.flights.get(msg.request_id)
+        if flight is None:
+            if isinstance(msg, m.RequestFailed) or msg.finish_reason is not None:
                 return None
-            flight.inbox.put_nowait(msg)
+            return m.Cancel(request_id=msg.request_id)
+        p = flight.placement
+        expected = {m.PrefillDone: p.prefill_id, m.Tokens: p.decode_id}.get(type(msg))
+        if sender not in flight.holders or expected not in (None, sender):
+            log.warning("ignored %s of request %s from %r, which does not hold it", msg.TAG, msg.request_id, sender)
             return None
-        log.warning("unexpected %s from %r", type(msg).__name__, sender)
-        return m.ErrorReply(error=f"the conductor does not take {msg.TAG!r}")
-
-    def _register(self, msg: m.Register, identity: str, now: float):
-        problem = None
-        if msg.role not in ("prefill", "decode"):
-            problem = f"unknown role {msg.role!r}"
-        elif identity != msg.instance_id:
-            problem = f"socket identity {identity!r} differs from instance id {msg.instance_id!r}"
-        elif msg.model_id != self.model.model_id:
-            problem = f"it runs model {msg.model_id}, which this conductor does not serve"
-        elif msg.block_size != self.block_size:
-            problem = f"its block_size {msg.block_size} is not the system's"
-        if problem:
-            # NOTE: the reply tells the instance what of its own is wrong and nothing of the cluster's;
-            # the conductor's log has both sides.
-            log.error("refused %s: %s (this conductor: model %s, block_size %d)", msg.instance_id, problem,
-                      self.model.model_id, self.block_size)
-            return m.RegisterReply(accepted=False, error=problem)
-        self.registry.register(msg, now)
-        self.metrics.up.labels(msg.instance_id, msg.role).set(1)
-        self.metrics.kv_total.labels(msg.instance_id).set(msg.num_kv_blocks)
-        log.info("%s instance %s joined (%d KV blocks%s)", msg.role, msg.instance_id, msg.num_kv_blocks,
-                 f", KV inbox {msg.data_address} over {msg.transport}" if msg.data_address else "")
-        return m.RegisterReply(accepted=True, heartbeat_interval_s=self.cfg.heartbeat_interval_s)
-
-    def _on_heartbeat(self, instance: Instance, msg: m.Heartbeat) -> None:
-        if msg.cached_blocks:
-            self.index.add(instance.instance_id, msg.cached_blocks)
-        if msg.evicted_blocks:
-            self.index.remove(instance.instance_id, msg.evicted_blocks)
-        for batch, context, seconds in msg.step_samples:
-            if instance.role == "decode":
-                self.estimators.decode_step.observe(batch, context, seconds)
-        i = instance.instance_id
-        self.metrics.waiting.labels(i).set(msg.num_waiting)
-        self.metrics.running.labels(i).set(msg.num_running)
-        self.metrics.kv_used.labels(i).set(msg.num_kv_blocks_used)
-        self.metrics.index_blocks.set(len(self.index))
-
-    async def _watch_liveness(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval_s / 2)
-            for instance in self.registry.expire(self.clock()):
-                try:
-                    self._on_dead(instance, f"stopped responding (no heartbeat for "
-                                            f"{self.cfg.heartbeat_timeout_s:g} s)")
-                except Exception:  # noqa: BLE001  the next instance's expiry must still happen
-                    log.exception("failing the requests of %s failed", instance.instance_id)
+        if isinstance(msg, m.RequestFailed):
+            if msg.is_invalid:
+                flight.inbox.put_nowait(RequestError(msg.error, is_invalid=True))
+            else:
+                role = self.registry.get(sender).role
+                flight.inbox.put_nowait(LegFailed(f"{role} instance {sender}: {msg.error}", tuple(flight.holders)))
+            return None
+        flight.inbox.put_nowait(msg)
+        return None
 
     def _on_dead(self, instance: Instance, why: str) -> None:
-        """It gets no more work, its cached blocks leave the index, and its requests fail."""
-        level = logging.INFO if why == "left the cluster" else logging.ERROR
-        log.log(level, "%s instance %s %s: failing its %d requests", instance.role, instance.instance_id, why,
-                len(instance.request_ids))
-        self.metrics.up.labels(instance.instance_id, instance.role).set(0)
-        self.index.drop_holder(instance.instance_id)
-        for request_id in list(instance.request_ids):
-            if (flight := self.flights.get(request_id)) is not None:
-                flight.inbox.put_nowait(RequestError(
-                    f"{instance.role} instance {instance.instance_id} {why}; request {request_id} failed"))
-
-    def health(self) -> dict:
-        return {role: [i.instance_id for i in self.registry.alive(role)] for role in ("prefill", "decode")} | {
-            "cache": sorted(self.pool.node_ids.values()) if self.pool else []}
+        """Every request with a leg on the instance moves on (its flight migrates or fails)."""
+        for wire_id in list(instance.request_ids):
+            if (flight := self.flights.get(wire_id)) is not None:
+                flight.inbox.put_nowait(LegFailed(f"{instance.role} instance {instance.instance_id} {why}",
+                                                  (instance.instance_id,)))

@@ -48,6 +48,19 @@ class KVInbox:
                 self._drop(key)
         return found
 
+    def release(self, keys: list[int]) -> int:
+        """Give back one copy of each of `keys` present (a cancelled request's unclaimed blocks); how many
+        blocks left the inbox. NOTE: a block still on its way when the cancel came arrives later and waits
+        for the TTL; a tombstone would instead drop the same prefix block of another request."""
+        before = len(self._blocks)
+        for key in keys:
+            entry = self._blocks.get(key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    self._drop(key)
+        return before - len(self._blocks)
+
     def expire(self) -> int:
         """Drop blocks nobody claimed within the TTL; how many went."""
         cutoff = time.monotonic() - self.ttl_s

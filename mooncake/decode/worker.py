@@ -39,11 +39,16 @@ class DecodeWorker(Worker):
         if self.transport is not None:
             await self.transport.stop()
 
+    def heartbeat_report(self) -> dict:
+        return {"num_inbox_blocks": len(self.inbox)}
+
     async def on_message(self, msg) -> None:
         if isinstance(msg, m.Decode):
             await self._admit(msg)
         elif isinstance(msg, m.Cancel):
-            await self.loop.call(self.engine.abort, msg.request_id)
+            if msg.block_hashes:
+                self.inbox.release(msg.block_hashes)
+            await self.drop(msg.request_id)
         else:
             log.warning("%s: unexpected %s from the conductor", self.name, type(msg).__name__)
 

@@ -1,0 +1,190 @@
+"""The conductor's control plane: one ROUTER socket that instances register, heartbeat, report and leave
+on, and the liveness watch that declares a silent instance dead.
+
+A message that names an instance counts only from that instance's own connection (the identity it
+registered with); ZeroMQ refuses a second connection under an identity already connected. Request reports
+(PrefillDone, Tokens, RequestFailed) go to `route`, deaths to `on_dead`; both are the conductor's."""
+
+import asyncio
+import logging
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from mooncake import messages as m
+from mooncake import security
+from mooncake.conductor.instances import Instance, InstanceRegistry
+from mooncake.conductor.metrics import ConductorMetrics
+from mooncake.conductor.policies import Estimators
+from mooncake.conductor.prefix_index import PrefixIndex
+from mooncake.config import ConductorConfig
+from mooncake.errors import MooncakeError
+from mooncake.runtime import Supervisor
+
+log = logging.getLogger(__name__)
+
+LEFT = "left the cluster"
+
+
+class ControlPlane:
+    def __init__(self, cfg: ConductorConfig, registry: InstanceRegistry, index: PrefixIndex,
+                 estimators: Estimators, metrics: ConductorMetrics, clock,
+                 route: Callable[[object, str], object], on_dead: Callable[[Instance, str], None]):
+        self.cfg = cfg
+        self.registry = registry
+        self.index = index
+        self.estimators = estimators
+        self.metrics = metrics
+        self.clock = clock
+        self.route = route
+        self.on_dead = on_dead
+        self.model_id = ""
+        self.block_size = 0
+        self.ctx: zmq.asyncio.Context | None = None
+        self.router = None
+
+    async def start(self, supervisor: Supervisor, model_id: str, block_size: int) -> None:
+        self.model_id, self.block_size = model_id, block_size
+        self.ctx = zmq.asyncio.Context()
+        self.router = security.server(self.ctx.socket(zmq.ROUTER))
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            self.router.bind(self.cfg.control_address)
+        except zmq.ZMQError as exc:
+            await self.stop()
+            raise MooncakeError(f"conductor: cannot listen on conductor.control_address = "
+                                f"{self.cfg.control_address}: {exc}") from None
+        supervisor.spawn(self._receive(), "the control-plane receive loop")
+        supervisor.spawn(self._watch_liveness(), "the liveness watch")
+
+    async def stop(self) -> None:
+        if self.ctx is not None:
+            self.router.close(linger=0)
+            security.release(self.ctx)
+            self.ctx.term()
+            self.ctx = None
+
+    async def send(self, instance_id: str, msg) -> bool:
+        """False when the instance is not connected (ROUTER_MANDATORY) or the socket is gone."""
+        if self.ctx is None:
+            return False
+        try:
+            await self.router.send_multipart([instance_id.encode(), m.encode(msg)])
+            return True
+        except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY: not connected
+            log.warning("cannot reach %s with %s: %s", instance_id, msg.TAG, exc)
+            return False
+
+    async def _receive(self) -> None:
+        while True:
+            identity, *frames = await self.router.recv_multipart()
+            sender = identity.decode(errors="replace")
+            try:
+                reply = self._on_frames(sender, frames)
+            except Exception:  # noqa: BLE001  one message must not end the control plane
+                log.exception("handling a control message from %r failed", sender)
+                reply = m.ErrorReply(error="internal error; see the conductor's log")
+            if reply is not None:
+                try:
+                    await self.router.send_multipart([identity, m.encode(reply)])
+                except zmq.ZMQError as exc:  # the sender is gone (ROUTER_MANDATORY)
+                    log.debug("cannot answer %r: %s", sender, exc)
+
+    def _on_frames(self, sender: str, frames: list[bytes]):
+        try:
+            if len(frames) != 1:
+                raise m.MessageError(f"expected 1 frame after the identity, got {len(frames)}")
+            msg = m.decode(frames[0])
+        except m.MessageError as exc:
+            log.warning("malformed control message from %r: %s", sender, exc)
+            return m.ErrorReply(error=str(exc))
+        return self._handle(msg, sender)
+
+    def _handle(self, msg, sender: str):
+        """One control message from the connection whose identity is `sender`; returns the reply, if any."""
+        now = self.clock()
+        if isinstance(msg, m.Register):
+            return self._register(msg, sender, now)
+        if isinstance(msg, (m.Heartbeat, m.Leave)) and msg.instance_id != sender:
+            log.warning("ignored %s naming %r from the connection of %r", msg.TAG, msg.instance_id, sender)
+            return m.ErrorReply(error=f"{msg.TAG} may name only the sender's own instance")
+        if isinstance(msg, m.Heartbeat):
+            instance = self.registry.heartbeat(msg, now)
+            if instance is None:
+                return m.RegisterReply(accepted=False, error="unregistered")
+            self._on_heartbeat(instance, msg)
+            return None
+        if isinstance(msg, m.Leave):
+            instance = self.registry.get(msg.instance_id)
+            if instance is not None and instance.is_alive:
+                self.registry.leave(msg.instance_id)
+                self._dead(instance, LEFT)
+            return None
+        if isinstance(msg, (m.PrefillDone, m.Tokens, m.RequestFailed)):
+            return self.route(msg, sender)
+        log.warning("unexpected %s from %r", type(msg).__name__, sender)
+        return m.ErrorReply(error=f"the conductor does not take {msg.TAG!r}")
+
+    def _register(self, msg: m.Register, identity: str, now: float):
+        problem = None
+        if msg.role not in ("prefill", "decode"):
+            problem = f"unknown role {msg.role!r}"
+        elif identity != msg.instance_id:
+            problem = f"socket identity {identity!r} differs from instance id {msg.instance_id!r}"
+        elif msg.model_id != self.model_id:
+            problem = f"it runs model {msg.model_id}, which this conductor does not serve"
+        elif msg.block_size != self.block_size:
+            problem = f"its block_size {msg.block_size} is not the system's"
+        if problem:
+            # NOTE: the reply tells the instance what of its own is wrong and nothing of the cluster's;
+            # the conductor's log has both sides.
+            log.error("refused %s: %s (this conductor: model %s, block_size %d)", msg.instance_id, problem,
+                      self.model_id, self.block_size)
+            return m.RegisterReply(accepted=False, error=problem)
+        old = self.registry.get(msg.instance_id)
+        if old is not None and old.is_alive:
+            # NOTE: it restarted faster than the heartbeat timeout: what it held is gone with its process.
+            self.registry.leave(msg.instance_id)
+            self._dead(old, "restarted")
+        self.registry.register(msg, now)
+        self.metrics.up.labels(msg.instance_id, msg.role).set(1)
+        self.metrics.kv_total.labels(msg.instance_id).set(msg.num_kv_blocks)
+        log.info("%s instance %s joined (%d KV blocks%s)", msg.role, msg.instance_id, msg.num_kv_blocks,
+                 f", KV inbox {msg.data_address} over {msg.transport}" if msg.data_address else "")
+        return m.RegisterReply(accepted=True, heartbeat_interval_s=self.cfg.heartbeat_interval_s)
+
+    def _on_heartbeat(self, instance: Instance, msg: m.Heartbeat) -> None:
+        if msg.cached_blocks:
+            self.index.add(instance.instance_id, msg.cached_blocks)
+        if msg.evicted_blocks:
+            self.index.remove(instance.instance_id, msg.evicted_blocks)
+        for batch, context, seconds in msg.step_samples:
+            if instance.role == "decode":
+                self.estimators.decode_step.observe(batch, context, seconds)
+        i = instance.instance_id
+        self.metrics.waiting.labels(i).set(msg.num_waiting)
+        self.metrics.running.labels(i).set(msg.num_running)
+        self.metrics.kv_used.labels(i).set(msg.num_kv_blocks_used)
+        if instance.role == "decode":
+            self.metrics.kv_inbox.labels(i).set(msg.num_inbox_blocks)
+        self.metrics.index_blocks.set(len(self.index))
+
+    async def _watch_liveness(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval_s / 2)
+            for instance in self.registry.expire(self.clock()):
+                self._dead(instance, f"stopped responding (no heartbeat for {self.cfg.heartbeat_timeout_s:g} s)")
+
+    def _dead(self, instance: Instance, why: str) -> None:
+        """It gets no more work and its cached blocks leave the index; the conductor moves its requests."""
+        level = logging.INFO if why == LEFT else logging.ERROR
+        log.log(level, "%s instance %s %s (%d requests in flight there)", instance.role, instance.instance_id,
+                why, len(instance.request_ids))
+        self.metrics.up.labels(instance.instance_id, instance.role).set(0)
+        self.index.drop_holder(instance.instance_id)
+        try:
+            self.on_dead(instance, why)
+        except Exception:  # noqa: BLE001  the next instance's expiry must still happen
+            log.exception("moving the requests of %s failed", instance.instance_id)

@@ -1,0 +1,62 @@
+"""The conductor's decision for one request: where (the placement policy, Algorithm 1 by default) and
+whether (the admission policy, early rejection), over a ClusterView of the live instances and the requests
+in flight on them. No sockets and no clock of its own: the caller says what time it is."""
+
+import logging
+
+from mooncake.conductor.admission import make_admission_policy
+from mooncake.conductor.flight import Flight, Rejected, Unavailable
+from mooncake.conductor.instances import InstanceRegistry
+from mooncake.conductor.policies import Estimators, make_placement_policy
+from mooncake.conductor.prefix_index import PrefixIndex
+from mooncake.conductor.view import ClusterView, DecodeView, Placement, PrefillView, RequestView
+from mooncake.config import ConductorConfig
+
+log = logging.getLogger(__name__)
+
+
+class Decider:
+    def __init__(self, cfg: ConductorConfig, index: PrefixIndex, estimators: Estimators):
+        self.cfg = cfg
+        kwargs = {"balancing_threshold": cfg.balancing_threshold} if cfg.placement == "kvcache-centric" else {}
+        self.policy = make_placement_policy(cfg.placement, index, estimators, **kwargs)
+        self.admission = make_admission_policy(cfg.admission, estimators.decode_step, cfg.ttft_slo_s,
+                                               cfg.tbt_slo_s)
+
+    def decide(self, request: RequestView, cluster: ClusterView, now: float, admit: bool = True) -> Placement:
+        """The placement of `request`; raises Unavailable when no instance can take it and, with `admit`,
+        Rejected when admission predicts an SLO miss (a migrating request was admitted already)."""
+        placement = self.policy.place(request, cluster, now)
+        if placement is None:
+            missing = " and ".join(r for r, views in (("prefill", cluster.prefills), ("decode", cluster.decodes))
+                                   if not views)
+            raise Unavailable(f"no live {missing} instance to serve the request; retry when one has registered")
+        rejection = self.admission.admit(request, placement, cluster, now) if admit else None
+        if rejection is None:
+            return placement
+        log.info("rejected %s: %s (TTFT %.2f s, TBT %.3f s predicted)", request.request_id, rejection.reason,
+                 rejection.ttft_s, rejection.tbt_s)
+        if rejection.reason == "ttft_slo":
+            what = f"time to first token {rejection.ttft_s:.2f} s exceeds conductor.ttft_slo_s = {self.cfg.ttft_slo_s:g} s"
+        else:
+            what = f"time between tokens {rejection.tbt_s:.3f} s exceeds conductor.tbt_slo_s = {self.cfg.tbt_slo_s:g} s"
+        raise Rejected(rejection.reason, f"the cluster is overloaded: the predicted {what}; retry later",
+                       retry_after_s=max(1.0, placement.ttft_s))
+
+
+def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_size: int, block_bytes: int,
+                 avoid: tuple[str, ...] = ()) -> ClusterView:
+    """The live instances with the load of the requests in flight on them. Instances in `avoid` are left
+    out while another of their role is alive."""
+    def live(role):
+        instances = registry.alive(role)
+        return [i for i in instances if i.instance_id not in avoid] or instances
+
+    prefills, decodes = [], []
+    for instance in live("prefill"):
+        queued = [f for r in instance.request_ids if (f := flights.get(r)) is not None and f.in_prefill]
+        prefills.append(PrefillView(instance.instance_id, sum(f.predicted_prefill_s for f in queued), len(queued)))
+    for instance in live("decode"):
+        decodes.append(DecodeView(instance.instance_id, [f.decode_load for r in instance.request_ids
+                                                         if (f := flights.get(r)) is not None]))
+    return ClusterView(prefills, decodes, block_size, block_bytes)

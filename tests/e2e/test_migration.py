@@ -1,0 +1,168 @@
+"""Every request ends and nothing is lost, end to end (every role its own process): a decode instance
+killed or hung mid-stream and a prefill instance killed before the first token cost the client nothing (its
+greedy stream equals an undisturbed one); a request that ends at prefill ships no KV; a client that goes
+away while its request is queued leaves nothing behind on any role."""
+
+import json
+import random
+import signal
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from tests.e2e.conftest import make_cluster, metrics, post
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir, tmp_path_factory):
+    with make_cluster(tmp_path_factory, "tcp", num_prefill=2, num_decode=2) as c:
+        yield c
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+class Stream:
+    """One streamed completion read on a thread: its token ids and finish reason as they come."""
+
+    def __init__(self, url: str, body: dict):
+        self.token_ids, self.finish_reason, self.error, self.done = [], None, None, threading.Event()
+        data = json.dumps({**body, "stream": True, "return_token_ids": True}).encode()
+        self.req = urllib.request.Request(url + "/v1/completions", data=data,
+                                          headers={"Content-Type": "application/json"})
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        try:
+            with urllib.request.urlopen(self.req, timeout=120) as r:
+                for line in r:
+                    if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        self.error = event["error"]
+                        continue
+                    choice = event["choices"][0]
+                    self.token_ids += choice["token_ids"]
+                    self.finish_reason = choice["finish_reason"] or self.finish_reason
+        finally:
+            self.done.set()
+
+    def result(self, timeout_s: float = 90) -> list[int]:
+        assert self.done.wait(timeout_s), "the stream did not end"
+        assert self.error is None, f"the stream ended in an error: {self.error}"
+        return self.token_ids
+
+
+def holders(cluster, role: str) -> list[str]:
+    """The instances of `role` with a request in flight."""
+    values = metrics(cluster.url)
+    return [p.name for p in cluster.processes if p.role == role
+            and values.get(f'mooncake_requests_in_flight{{instance="{p.name}"}}') == 1]
+
+
+def idle(cluster) -> bool:
+    """No request in flight and no KV held or waiting anywhere (as the heartbeats report it)."""
+    values = metrics(cluster.url)
+    busy = {k: v for k, v in values.items() if v and k.startswith(
+        ("mooncake_requests_in_flight", "mooncake_instance_kv_blocks_used", "mooncake_instance_kv_inbox_blocks"))}
+    return not busy
+
+
+def migrations(cluster) -> float:
+    return metrics(cluster.url).get('mooncake_migrations_total{outcome="moved"}', 0.0)
+
+
+def story(max_tokens: int = 1500) -> dict:
+    words = " ".join(random.choice(["moon", "cake", "tide", "lamp", "river", "stone"]) for _ in range(40))
+    return {"model": "tiny", "prompt": f"A story of {words}:", "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0}
+
+
+def undisturbed(cluster, body: dict) -> list[int]:
+    return Stream(cluster.url, body).result()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
+def test_a_decode_instance_lost_mid_stream_costs_the_stream_nothing(cluster, sig):
+    body = story()
+    reference = undisturbed(cluster, body)
+    moved = migrations(cluster)
+    stream = Stream(cluster.url, body)
+    wait_for(lambda: len(stream.token_ids) >= 50, 60, "the first streamed tokens")
+    [victim] = holders(cluster, "decode")
+    cluster.kill(victim, sig)
+    try:
+        tokens = stream.result()
+        assert migrations(cluster) == moved + 1
+    finally:
+        if sig == signal.SIGSTOP:
+            cluster.kill(victim, signal.SIGCONT)  # it wakes to find its request gone and frees it
+        else:
+            cluster.spawn(cluster.process(victim))
+    assert len(tokens) == body["max_tokens"] and stream.finish_reason == "length"
+    assert tokens == reference, "the moved stream differs from the undisturbed one"
+    cluster.wait_ready(120)
+    wait_for(lambda: idle(cluster), 10, "every role back to idle")
+
+
+def test_a_prefill_instance_killed_before_the_first_token_costs_the_request_nothing(cluster):
+    body = story(max_tokens=40)
+    cluster.kill("prefill-0", signal.SIGSTOP)  # an idle cluster places a new prompt on prefill-0 (ties by id)
+    try:
+        stream = Stream(cluster.url, body)
+        wait_for(lambda: holders(cluster, "prefill") == ["prefill-0"], 10, "the request queued on prefill-0")
+        cluster.kill("prefill-0", signal.SIGKILL)
+        tokens = stream.result()
+    finally:
+        cluster.kill("prefill-0", signal.SIGKILL)
+        cluster.spawn(cluster.process("prefill-0"))
+    cluster.wait_ready(120)
+    assert tokens == undisturbed(cluster, body)
+    wait_for(lambda: idle(cluster), 10, "every role back to idle")
+
+
+def test_a_request_that_ends_at_prefill_ships_no_kv_to_decode(cluster):
+    body = story(max_tokens=1)
+    shipped = 'mooncake_kv_transfer_bytes_total{instance="prefill-0"}'
+    before = metrics(cluster.url).get(shipped, 0.0)
+    status, reply = post(cluster.url + "/v1/completions", {**body, "return_token_ids": True})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 1
+    assert metrics(cluster.url).get(shipped, 0.0) == before  # max_tokens 1: nothing to decode
+    # A stop token as the first token: the KV already went to decode, and its inbox lets it go at once
+    # (not at the inbox TTL of a minute).
+    first = reply["choices"][0]["token_ids"][0]
+    status, reply = post(cluster.url + "/v1/completions", {**body, "max_tokens": 50, "ignore_eos": False,
+                                                           "stop_token_ids": [first]})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 1
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    wait_for(lambda: idle(cluster), 5, "decode's inbox emptied")
+
+
+def test_a_client_that_goes_away_while_queued_leaves_nothing_behind(cluster):
+    cancelled = 'mooncake_requests_total{outcome="cancelled"}'
+    before = metrics(cluster.url).get(cancelled, 0.0)
+    body = json.dumps({**story(max_tokens=20), "stream": True}).encode()
+    for name in ("prefill-0", "prefill-1"):  # the request waits on whichever it is placed on
+        cluster.kill(name, signal.SIGSTOP)
+    try:
+        host, port = cluster.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            wait_for(lambda: len(holders(cluster, "prefill")) == 1, 10, "the request queued on a prefill instance")
+        wait_for(lambda: metrics(cluster.url).get(cancelled, 0.0) == before + 1, 5, "the request cancelled")
+    finally:
+        for name in ("prefill-0", "prefill-1"):
+            cluster.kill(name, signal.SIGCONT)
+    cluster.wait_ready(120)
+    wait_for(lambda: idle(cluster), 10, "every role back to idle")
