@@ -127,6 +127,8 @@ class DevCluster:
 
     def spawn(self, proc: Process) -> None:
         """Start (or restart) one process."""
+        if proc.popen is not None and proc.popen.poll() is None:
+            raise MooncakeError(f"{proc.name} (pid {proc.pid}) is still running; end it before starting it again")
         out = open(proc.log_path, "ab") if proc.log_path else None
         proc.popen = subprocess.Popen([sys.executable, "-m", "mooncake", "serve", "--role", proc.role,
                                        "--config", str(proc.config_path)], stdout=out, stderr=out,
@@ -136,12 +138,12 @@ class DevCluster:
         if out:
             out.close()
 
-    def restart_exited(self) -> list[Process]:
-        """Start again each process that exited on its own (at most once per RESTART_BACKOFF_S each, so a
-        role that cannot start does not spin); the processes restarted."""
+    def restart_exited(self, leave: frozenset[str] = frozenset()) -> list[Process]:
+        """Start again each process that exited (at most once per RESTART_BACKOFF_S each, so a role that
+        cannot start does not spin), but those named in `leave`; the processes restarted."""
         restarted = []
         for proc in self.processes:
-            if proc.popen is None or proc.popen.poll() is None:
+            if proc.popen is None or proc.popen.poll() is None or proc.name in leave:
                 continue
             if time.monotonic() - proc.started_s < RESTART_BACKOFF_S:
                 continue
