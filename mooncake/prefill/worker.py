@@ -56,7 +56,7 @@ class PrefillWorker(Worker):
         if self.config.instance.use_cache_pool:
             self.cache = CacheClient(self.config.cache_client, lambda name: make_transport(name, self.config))
             try:
-                await self.cache.start()
+                await self.cache.start()  # NOTE: nodes down now are probed until they answer
             except TransferError as exc:
                 # NOTE: the pool is an accelerator, not a dependency: serve without it, say so.
                 log.warning("%s: no cache pool (%s); computing every prefix locally", self.name, exc)

@@ -1,7 +1,12 @@
 """Async client of the cache nodes, for the prefill and decode roles: `put_blocks`, `get_blocks`,
 `match_prefix`. Each block's replicas live on the `replica_num` nodes that rank highest for its key by
 rendezvous hashing, so every client agrees where a key lives without asking; a read tries those nodes
-in order and then the rest, so a block stays readable while any replica lives."""
+in order and then the rest, so a block stays readable while any replica lives.
+
+A node that fails a call (no answer within `cache_client.timeout_s`, a transfer error) is down at once:
+calls skip it (a circuit breaker: they fail fast instead of waiting out the timeout again) until a
+background probe hears it answer `Hello` again, with its possibly new data address. A node that was down
+when the client started is probed the same way."""
 
 import asyncio
 import logging
@@ -22,12 +27,17 @@ from mooncake.transfer.contract import TransferError, Transport
 log = logging.getLogger(__name__)
 
 
+PROBE_MIN_S, PROBE_MAX_S = 0.5, 10.0  # a down node is asked again after this, doubling up to the max
+
+
 @dataclass
 class _Node:
     control_address: str
     socket: zmq.asyncio.Socket
     lock: asyncio.Lock
-    hello: m.HelloReply | None = None
+    hello: m.HelloReply | None = None  # None while down
+    probe_s: float = PROBE_MIN_S  # wait before the next probe while down
+    next_probe_s: float = 0.0
 
     @property
     def is_up(self) -> bool:
@@ -42,8 +52,10 @@ class CacheClient:
         self.ctx = zmq.asyncio.Context()
         self.nodes: list[_Node] = []
         self.transports: dict[str, object] = {}
+        self._prober: asyncio.Task | None = None
 
     async def start(self) -> None:
+        """Connect to every node; those that do not answer now are probed until they do."""
         if not self.config.nodes:
             raise TransferError("no cache nodes configured (cache_client.nodes is empty)")
         for address in self.config.nodes:
@@ -52,20 +64,40 @@ class CacheClient:
             sock.connect(address)
             self.nodes.append(_Node(address, sock, asyncio.Lock()))
         await asyncio.gather(*(self._hello(node) for node in self.nodes))
-        if not any(node.is_up for node in self.nodes):
-            raise TransferError(f"no cache node answered: {', '.join(self.config.nodes)}")
+        self._prober = asyncio.create_task(self._probe_down_nodes())
 
-    async def _hello(self, node: _Node) -> None:
+    async def _hello(self, node: _Node) -> bool:
         try:
             reply = await self._call(node, m.Hello())
+            if reply.transport not in self.transports:
+                transport = self.make_transport(reply.transport)
+                await transport.start()
+                self.transports[reply.transport] = transport
         except TransferError as exc:
-            log.warning("cache node %s is down: %s", node.control_address, exc)
-            return
-        if reply.transport not in self.transports:
-            transport = self.make_transport(reply.transport)
-            await transport.start()
-            self.transports[reply.transport] = transport
-        node.hello = reply
+            self._down(node, str(exc))
+            return False
+        if node.hello is None and node.next_probe_s:
+            log.info("cache node %s (%s) is back", reply.node_id, node.control_address)
+        node.hello, node.probe_s = reply, PROBE_MIN_S
+        return True
+
+    def _down(self, node: _Node, why: str) -> None:
+        """Skip the node from now on until a probe hears it again."""
+        loop_s = asyncio.get_running_loop().time()
+        if node.hello is not None or not node.next_probe_s:
+            log.warning("cache node %s is down (%s); not using it until it answers again", node.control_address, why)
+        else:
+            node.probe_s = min(PROBE_MAX_S, node.probe_s * 2)
+        node.hello = None
+        node.next_probe_s = loop_s + node.probe_s
+
+    async def _probe_down_nodes(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_MIN_S / 2)
+            now = asyncio.get_running_loop().time()
+            due = [n for n in self.nodes if n.hello is None and n.next_probe_s <= now]
+            if due:
+                await asyncio.gather(*(self._hello(n) for n in due))
 
     async def _call(self, node: _Node, request):
         """One request/reply on a node's control socket, within the deadline."""
@@ -116,6 +148,7 @@ class CacheClient:
         try:
             result = await transport.send(node.hello.data_address, blocks, self.config.timeout_s)
         except TransferError as exc:
+            self._down(node, str(exc))
             return {key: str(exc) for key, _ in blocks}
         return {b.key: b.error for b in result.blocks}
 
@@ -139,11 +172,13 @@ class CacheClient:
         return found
 
     async def _fetch(self, node: _Node, keys: list[int]) -> dict[int, bytes | None]:
+        if not node.is_up:  # it went down since the plan was made
+            return {}
         transport = self.transports[node.hello.transport]
         try:
             result = await transport.fetch(node.hello.data_address, keys, self.config.timeout_s)
         except TransferError as exc:
-            log.warning("%s", exc)
+            self._down(node, str(exc))
             return {}
         return {b.key: (_owned(b.data) if b.ok else None) for b in result.blocks}
 
@@ -152,6 +187,9 @@ class CacheClient:
         live = [n for n in self.nodes if n.is_up]
         replies = await asyncio.gather(*(self._call(n, m.Exists(keys=list(keys))) for n in live),
                                        return_exceptions=True)
+        for node, reply in zip(live, replies):
+            if isinstance(reply, TransferError):
+                self._down(node, str(reply))
         held = [False] * len(keys)
         for reply in replies:
             if isinstance(reply, m.ExistsReply):
@@ -165,6 +203,9 @@ class CacheClient:
         return {n.control_address: r.stats for n, r in zip(live, replies)}
 
     async def stop(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            await asyncio.gather(self._prober, return_exceptions=True)
         for transport in self.transports.values():
             await transport.stop()
         for node in self.nodes:

@@ -204,6 +204,45 @@ def test_replicas_keep_blocks_readable_when_a_node_dies(nodes):
     asyncio.run(run())
 
 
+def test_a_node_that_stops_answering_is_skipped_until_a_probe_hears_it_again(nodes):
+    a, b = nodes(), nodes()
+
+    async def wait_until(condition, what, timeout_s=15.0):
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def run():
+        a.proc.send_signal(signal.SIGSTOP)  # down when the client starts: it starts all the same
+        client = CacheClient(CacheClientConfig(nodes=(a.control, b.control), replica_num=2, timeout_s=1.0))
+        await client.start()
+        node_a, node_b = client.nodes
+        try:
+            assert not node_a.is_up and node_b.is_up
+            a.proc.send_signal(signal.SIGCONT)
+            await wait_until(lambda: node_a.is_up, "the probe did not find the node that came up")
+            data = blocks(6, seed=5)
+            assert all(e is None for e in (await client.put_blocks(data)).values())
+            a.proc.send_signal(signal.SIGSTOP)  # hung: connected, silent
+            got = await client.get_blocks([k for k, _ in data])
+            assert [got[k] for k, _ in data] == [d for _, d in data]  # the replicas on b served
+            # Blocks whose first home is a cost one timeout, once: a is down now and calls skip it.
+            if any(client.ranked_nodes(k)[0] is node_a for k, _ in data):
+                assert not node_a.is_up
+            got = await client.get_blocks([k for k, _ in data])
+            assert [got[k] for k, _ in data] == [d for _, d in data]
+            a.proc.send_signal(signal.SIGCONT)
+            await wait_until(lambda: node_a.is_up, "the node that answered again was not used again")
+            b.stop(signal.SIGKILL)
+            got = await client.get_blocks([k for k, _ in data])
+            assert [got[k] for k, _ in data] == [d for _, d in data]  # a serves again
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+            await client.stop()
+    asyncio.run(run())
+
+
 def test_kill_9_mid_writes_then_restart_serves_every_block_that_reached_ssd(nodes, tmp_path):
     ssd = tmp_path / "ssd"
     size = 256 * 1024
