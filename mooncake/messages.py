@@ -93,10 +93,27 @@ class StatsReply(Message, tag="stats_reply"):
 
 
 class StoreEvents(Message, tag="store_events"):
-    """Published in batches by a cache node: (kind, key, tier) with kind "add" or "evict"."""
+    """Published in batches by a cache node: (kind, key, tier) with kind "add" or "evict". `seq` counts
+    the batches of one run of the node (`epoch`): a gap or a new epoch means the reader missed some and
+    must take a snapshot."""
 
     node_id: str
     events: list[tuple[str, int, str | None]] = []
+    epoch: str = ""
+    seq: int = 0
+
+
+class Snapshot(Message, tag="snapshot"):
+    """Reader -> cache node: every key you hold, please."""
+
+
+class SnapshotReply(Message, tag="snapshot_reply"):
+    """Every key the node holds (any tier) as of event batch `seq` of `epoch`: later batches apply on top."""
+
+    node_id: str
+    epoch: str
+    seq: int
+    keys: list[int] = []
 
 
 class ErrorReply(Message, tag="error"):

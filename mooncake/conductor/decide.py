@@ -45,9 +45,10 @@ class Decider:
 
 
 def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_size: int, block_bytes: int,
-                 avoid: tuple[str, ...] = ()) -> ClusterView:
-    """The live instances with the load of the requests in flight on them. Instances in `avoid` are left
-    out while another of their role is alive."""
+                 pool_nodes: frozenset[str], avoid: tuple[str, ...] = ()) -> ClusterView:
+    """The live instances with the load of the requests in flight on them, and the live cache nodes as the
+    only holders a prefix can be fetched from. Instances in `avoid` are left out while another of their
+    role is alive."""
     def live(role):
         instances = registry.alive(role)
         return [i for i in instances if i.instance_id not in avoid] or instances
@@ -59,4 +60,4 @@ def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_s
     for instance in live("decode"):
         decodes.append(DecodeView(instance.instance_id, [f.decode_load for r in instance.request_ids
                                                          if (f := flights.get(r)) is not None]))
-    return ClusterView(prefills, decodes, block_size, block_bytes)
+    return ClusterView(prefills, decodes, block_size, block_bytes, fetchable=pool_nodes)

@@ -85,8 +85,9 @@ class PlacementPolicy(ABC):
 class KVCacheCentricPolicy(PlacementPolicy):
     """Algorithm 1: for every prefill instance, TTFT = queue + transfer + prefill, reusing either its
     local prefix or, when the pool's best holder has much more (ratio > balancing_threshold), fetching
-    the difference from that holder; pick the lowest TTFT. A fetch leaves a replica on the chosen
-    instance (hot-spot migration): the caller adds it to the index when the fetch completes."""
+    the difference from that holder; pick the lowest TTFT. Sources are the holders the cluster view calls
+    fetchable. A fetch leaves a replica on the chosen instance (hot-spot migration): its prefix cache
+    then holds the blocks, and its next report adds them to the index."""
 
     def __init__(self, index, estimators, balancing_threshold: float = 2.0):
         super().__init__(index, estimators)
@@ -94,8 +95,10 @@ class KVCacheCentricPolicy(PlacementPolicy):
 
     def _choose_prefill(self, request, cluster):
         lengths = self.index.prefix_lengths(request.block_hashes)
-        best_len = max(lengths.values(), default=0)
-        best_holder = min((h for h, n in lengths.items() if n == best_len), default=None)
+        # NOTE: only a holder the data plane can read from is a source; any holder is still its own local.
+        remote = {h: n for h, n in lengths.items() if cluster.fetchable is None or h in cluster.fetchable}
+        best_len = max(remote.values(), default=0)
+        best_holder = min((h for h, n in remote.items() if n == best_len), default=None)
         best = None
         for instance in cluster.prefills:
             local = lengths.get(instance.instance_id, 0)

@@ -151,7 +151,8 @@ class Conductor:
         hashes = hash_blocks(tokens, self.block_size, self.namespace)
         remaining = flight.params.max_tokens - len(flight.generated)
         view = RequestView(flight.request_id, len(tokens), tuple(hashes), remaining, now)
-        cluster = cluster_view(self.registry, self.flights, self.block_size, self.block_bytes, avoid)
+        pool_nodes = self.pool.live_ids if self.pool is not None else frozenset()
+        cluster = cluster_view(self.registry, self.flights, self.block_size, self.block_bytes, pool_nodes, avoid)
         p = self.decider.decide(view, cluster, now, admit)
         flight.num_legs += 1
         flight.wire_id = flight.request_id if flight.num_legs == 1 else f"{flight.request_id}.{flight.num_legs - 1}"

@@ -62,6 +62,10 @@ class ClusterView:
     decodes: list[DecodeView]
     block_size: int  # tokens per block
     block_bytes: int  # KV bytes per block
+    # Holders a prefill instance can read a prefix from. The live system: the cache pool's live nodes
+    # (prefill instances do not serve their caches to each other). None: every holder (the simulator,
+    # where every node's DRAM serves the pool).
+    fetchable: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)

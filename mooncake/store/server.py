@@ -1,10 +1,12 @@
 """The cache role: a KVStore served to other roles. Block bytes come and go over the configured
-transport; a ZeroMQ ROUTER answers control messages (hello, exists, match_prefix, remove, stats); a PUB
-socket publishes batched add/evict events for the conductor's prefix index."""
+transport; a ZeroMQ ROUTER answers control messages (hello, exists, match_prefix, remove, stats, snapshot);
+a PUB socket publishes batched add/evict events for the conductor's prefix index, numbered so a reader
+knows when it missed some and must take a snapshot (every key held, SSD-recovered ones included)."""
 
 import asyncio
 import dataclasses
 import logging
+import uuid
 
 import zmq
 import zmq.asyncio
@@ -81,6 +83,8 @@ class CacheServer:
         self.data_address = ""
         self.ctx = None
         self.supervisor: Supervisor | None = None
+        self.epoch = uuid.uuid4().hex  # this run of the node, for the readers of its events
+        self.seq = 0  # event batches published in this run
 
     @property
     def fatal(self):
@@ -159,6 +163,8 @@ class CacheServer:
             return m.RemoveReply(removed=[self.store.remove(k) for k in request.keys])
         if isinstance(request, m.Stats):
             return m.StatsReply(stats=self.stats())
+        if isinstance(request, m.Snapshot):
+            return m.SnapshotReply(node_id=cfg.node_id, epoch=self.epoch, seq=self.seq, keys=self.store.keys())
         log.warning("%s: unexpected control message %s", self.name, type(request).__name__)
         return m.ErrorReply(error=f"a cache node does not answer {request.TAG!r}")
 
@@ -181,4 +187,6 @@ class CacheServer:
             events = self.store.drain_events()
             if events:
                 batch = [(e.kind, e.key, e.tier) for e in events]
-                await self.events.send(m.encode(m.StoreEvents(node_id=self.config.cache.node_id, events=batch)))
+                self.seq += 1
+                await self.events.send(m.encode(m.StoreEvents(node_id=self.config.cache.node_id, events=batch,
+                                                              epoch=self.epoch, seq=self.seq)))

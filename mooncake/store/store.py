@@ -230,6 +230,10 @@ class KVStore:
         events, self._events = self._events, []
         return events
 
+    def keys(self) -> list[int]:
+        """Every key held, in any tier (those recovered from SSD at start included)."""
+        return [key for tier in self.tiers for key in tier.keys()]
+
     def num_blocks(self) -> dict[str, int]:
         return {t.name: len(self.policies[t.name]) for t in self.tiers}
 

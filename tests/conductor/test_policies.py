@@ -61,16 +61,23 @@ def test_transfer_branch_versus_local_follows_the_balancing_threshold():
     assert placement.transfer_s == pytest.approx(8 * BLOCK_BYTES / 1e9)
 
 
-def test_hot_spot_migration_leaves_a_replica():
+def test_only_fetchable_holders_are_sources():
+    """The live conductor's view names the cache nodes as the only sources: a busy prefill instance's
+    cache is never planned as a fetch (no data path serves it), the pool's copy is. The replica a fetch
+    leaves is made and reported by the instance itself (tests/e2e/test_placement.py)."""
     index = PrefixIndex()
     index.add("p0", HASHES)
     policy = make_placement_policy("kvcache-centric", index, estimators())
-    placement = policy.place(REQUEST, cluster([PrefillView("p0", queued_prefill_s=30), PrefillView("p1")]), 0)
-    assert placement.fetch_from == "p0"
-    index.add(placement.prefill_id, REQUEST.block_hashes[:placement.reuse_blocks])  # the fetch completed
-    assert index.holders(HASHES[-1]) == {"p0", "p1"}
-    again = policy.place(REQUEST, cluster([PrefillView("p0", queued_prefill_s=30), PrefillView("p1")]), 0)
-    assert again.prefill_id == "p1" and again.fetch_from is None  # the replica is now local
+    prefills = [PrefillView("p0", queued_prefill_s=30), PrefillView("p1")]
+    live = ClusterView(prefills, [DecodeView("d0")], BLOCK, BLOCK_BYTES, fetchable=frozenset({"cache-0"}))
+    placement = policy.place(REQUEST, live, 0)
+    assert placement.prefill_id == "p1" and placement.fetch_from is None and placement.reuse_blocks == 0
+    index.add("cache-0", HASHES)
+    placement = policy.place(REQUEST, live, 0)
+    assert placement.prefill_id == "p1" and placement.fetch_from == "cache-0" and placement.reuse_blocks == 10
+    # The simulator's view (every holder serves): p0 itself is a source.
+    index.remove("cache-0", HASHES)
+    assert policy.place(REQUEST, cluster(prefills), 0).fetch_from == "p0"
 
 
 def test_local_cache_aware_never_fetches():

@@ -1,6 +1,6 @@
 """Placement end to end on 2 prefill + 2 decode instances: Algorithm 1 sends a shared prefix where it is
-cached; when that instance dies the prefix comes from the cache pool; concurrent requests spread over
-the decode instances."""
+cached; when that instance dies the prefix comes from the cache pool and stays as a local replica;
+concurrent requests spread over the decode instances."""
 
 import signal
 import threading
@@ -60,6 +60,14 @@ def test_a_shared_prefix_goes_where_it_is_cached_then_comes_from_the_pool(cluste
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == cached  # read from the cache node
     assert fetched(m3, other) > fetched(m2, other)
     assert computed(m3, other) - computed(m2, other) == third["usage"]["prompt_tokens"] - cached
+
+    # The fetch left a replica (hot-spot migration): `other` reported the blocks as its own, so the next
+    # request reuses them locally and reads nothing from the pool.
+    time.sleep(0.6)
+    fourth = complete(cluster, prefix + "fourth")
+    m4 = metrics(cluster.url)
+    assert fourth["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    assert fetched(m4, other) == fetched(m3, other)
 
     cluster.spawn(cluster.process(holder))
     cluster.wait_ready(120)
