@@ -161,6 +161,12 @@ class Heartbeat(Message, tag="heartbeat"):
     step_samples: list[tuple[int, int, float]] = []  # decode: [batch, context tokens, seconds] per step
     cached_blocks: list[int] = []  # prefill: hashes newly in its local prefix cache
     evicted_blocks: list[int] = []
+    is_snapshot: bool = False  # cached_blocks is its whole prefix cache (after it registered, or a Resync)
+    seq: int = 0  # heartbeats since it registered: a gap means reports were lost
+
+
+class Resync(Message, tag="resync"):
+    """Conductor -> instance: its reports had a gap; send the whole prefix cache in the next heartbeat."""
 
 
 class Prefill(Message, tag="prefill"):

@@ -114,8 +114,7 @@ class ControlPlane:
             instance = self.registry.heartbeat(msg, now)
             if instance is None:
                 return m.RegisterReply(accepted=False, error="unregistered")
-            self._on_heartbeat(instance, msg)
-            return None
+            return self._on_heartbeat(instance, msg)
         if isinstance(msg, m.Leave):
             instance = self.registry.get(msg.instance_id)
             if instance is not None and instance.is_alive:
@@ -155,7 +154,17 @@ class ControlPlane:
                  f", KV inbox {msg.data_address} over {msg.transport}" if msg.data_address else "")
         return m.RegisterReply(accepted=True, heartbeat_interval_s=self.cfg.heartbeat_interval_s)
 
-    def _on_heartbeat(self, instance: Instance, msg: m.Heartbeat) -> None:
+    def _on_heartbeat(self, instance: Instance, msg: m.Heartbeat):
+        """Its load and cache changes into the registry and the index; a Resync if reports were lost."""
+        reply = None
+        if msg.seq != instance.last_seq + 1 and instance.role == "prefill":
+            log.warning("%s: heartbeat %d after %d; asking for its whole prefix cache", instance.instance_id,
+                        msg.seq, instance.last_seq)
+            reply = m.Resync()
+        instance.last_seq = msg.seq
+        if msg.is_snapshot:
+            self.index.drop_holder(instance.instance_id)
+            log.info("%s: %d cached blocks indexed from its snapshot", instance.instance_id, len(msg.cached_blocks))
         if msg.cached_blocks:
             self.index.add(instance.instance_id, msg.cached_blocks)
         if msg.evicted_blocks:
@@ -170,6 +179,7 @@ class ControlPlane:
         if instance.role == "decode":
             self.metrics.kv_inbox.labels(i).set(msg.num_inbox_blocks)
         self.metrics.index_blocks.set(len(self.index))
+        return reply
 
     async def _watch_liveness(self) -> None:
         while True:

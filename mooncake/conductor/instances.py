@@ -16,6 +16,7 @@ class Instance:
     last_seen_s: float
     load: m.Heartbeat | None = None
     is_alive: bool = True
+    last_seq: int = 0  # of its last heartbeat
     request_ids: set[str] = field(default_factory=set)  # in flight here
 
 

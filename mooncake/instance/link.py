@@ -21,11 +21,13 @@ REGISTER_RETRY_S = 1.0
 
 class ConductorLink:
     def __init__(self, address: str, register: m.Register, heartbeat: Callable[[], m.Heartbeat],
-                 on_message: Callable[[object], Awaitable[None]], supervisor: Supervisor):
+                 on_message: Callable[[object], Awaitable[None]], supervisor: Supervisor,
+                 on_registered: Callable[[], None] = lambda: None):
         self.address = address
         self.register_msg = register
         self.make_heartbeat = heartbeat
         self.on_message = on_message
+        self.on_registered = on_registered  # the conductor (maybe a new one) knows nothing of us yet
         self.heartbeat_interval_s = 0.5
         self.registered = asyncio.Event()
         self.supervisor = supervisor  # a refusal or a dead loop ends the instance through it
@@ -88,6 +90,8 @@ class ConductorLink:
                         f"the conductor at {self.address} refused {self.register_msg.instance_id}: {msg.error}"))
                     return
                 self.heartbeat_interval_s = msg.heartbeat_interval_s
+                if not self.registered.is_set():
+                    self.on_registered()
                 self.registered.set()
                 continue
             try:

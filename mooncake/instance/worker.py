@@ -31,6 +31,7 @@ class Worker:
         self.data_address = ""
         self.supervisor: Supervisor | None = None
         self._request_tasks: set[asyncio.Task] = set()
+        self._num_heartbeats = 0  # since it last registered
 
     @property
     def fatal(self):
@@ -46,7 +47,7 @@ class Worker:
                               block_size=self.engine.block_size, transport=self.config.instance.transport,
                               data_address=self.data_address, num_kv_blocks=self.engine.pool.num_blocks)
         self.link = ConductorLink(self.config.instance.conductor_address, register, self.heartbeat,
-                                  self.on_message, self.supervisor)
+                                  self.on_message, self.supervisor, on_registered=self.on_registered)
         self.loop.start()
         await self.link.start()
         log.info("%s ready: model %s, %d KV blocks, conductor %s", self.name, self.config.engine.model,
@@ -66,9 +67,14 @@ class Worker:
         if self.supervisor is not None:
             await self.supervisor.stop()
 
+    def on_registered(self) -> None:
+        self._num_heartbeats = 0
+
     def heartbeat(self) -> m.Heartbeat:
         engine = self.engine
-        return m.Heartbeat(instance_id=self.instance_id, num_waiting=len(engine.scheduler.waiting),
+        self._num_heartbeats += 1
+        return m.Heartbeat(instance_id=self.instance_id, seq=self._num_heartbeats,
+                           num_waiting=len(engine.scheduler.waiting),
                            num_running=len(engine.scheduler.running), num_kv_blocks_used=engine.pool.num_used,
                            num_kv_blocks=engine.pool.num_blocks, step_samples=self.loop.drain_step_samples(),
                            **self.heartbeat_report())

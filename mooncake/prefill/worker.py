@@ -49,6 +49,8 @@ class PrefillWorker(Worker):
         self.cache: CacheClient | None = None
         self._deadlines: asyncio.Task | None = None
         self._pool_writes: set[asyncio.Task] = set()
+        self._snapshot: list[int] | None = None  # the whole prefix cache, for the next heartbeat
+        self._snapshot_task: asyncio.Task | None = None
 
     async def start_role(self) -> None:
         self.transport = make_transport(self.config.instance.transport, self.config)
@@ -80,12 +82,33 @@ class PrefillWorker(Worker):
             await self.transport.stop()
 
     def heartbeat_report(self) -> dict:
-        added, evicted = [], []
+        """What entered and left the prefix cache since the last heartbeat; the whole cache instead when
+        a snapshot was asked for (a new registration, a Resync, or more changes than the log keeps)."""
         events = self.engine.pool.events
+        if len(events) == events.maxlen:
+            self._snapshot_wanted()
+        if self._snapshot is not None:
+            cached, self._snapshot = self._snapshot, None
+            return {"cached_blocks": cached, "is_snapshot": True}
+        added, evicted = [], []
         while events:
             kind, block_hash = events.popleft()
             (added if kind == "add" else evicted).append(block_hash)
         return {"cached_blocks": added, "evicted_blocks": evicted}
+
+    def on_registered(self) -> None:
+        super().on_registered()
+        self._snapshot_wanted()
+
+    def _snapshot_wanted(self) -> None:
+        if self._snapshot_task is None or self._snapshot_task.done():
+            self._snapshot_task = self.supervisor.spawn(self._take_snapshot(), "a prefix-cache snapshot")
+
+    async def _take_snapshot(self) -> None:
+        def take():  # between engine steps: nothing changes the pool meanwhile
+            self.engine.pool.events.clear()
+            return list(self.engine.pool.hash_to_block)
+        self._snapshot = await self.loop.call(take)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -94,6 +117,9 @@ class PrefillWorker(Worker):
             self.spawn_for(msg.request_id, self._admit(msg), "admission")
         elif isinstance(msg, m.Cancel):
             await self.drop(msg.request_id)
+        elif isinstance(msg, m.Resync):
+            log.info("%s: the conductor missed some reports; sending the whole prefix cache", self.name)
+            self._snapshot_wanted()
         else:
             log.warning("%s: unexpected %s from the conductor", self.name, type(msg).__name__)
 

@@ -73,6 +73,36 @@ def test_a_shared_prefix_goes_where_it_is_cached_then_comes_from_the_pool(cluste
     cluster.wait_ready(120)
 
 
+def test_a_restarted_conductor_refills_its_index_and_places_a_prefix_where_it_is_cached(cluster):
+    prefix = f"{uuid.uuid4().hex}: a preamble the restarted conductor must remember, " * 3
+    cached = len(prefix.encode()) // BLOCK * BLOCK
+    # Put the prefix on prefill-1 (an idle cluster would pick prefill-0, the first id, for a new prompt).
+    cluster.kill("prefill-0", signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 10
+        while "prefill-0" in cluster.health().get("prefill", ["prefill-0"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        complete(cluster, prefix + "first")
+    finally:
+        cluster.kill("prefill-0", signal.SIGCONT)
+    cluster.wait_ready(60)
+
+    cluster.kill("conductor", signal.SIGKILL)
+    cluster.spawn(cluster.process("conductor"))
+    cluster.wait_ready(120)
+    deadline = time.monotonic() + 10  # the instances' and cache nodes' snapshots refill the index
+    while metrics(cluster.url).get("mooncake_prefix_index_blocks", 0) < 2 * (cached // BLOCK):
+        assert time.monotonic() < deadline, "the restarted conductor's index was not refilled"
+        time.sleep(0.1)
+    m0 = metrics(cluster.url)
+    second = complete(cluster, prefix + "second")
+    m1 = metrics(cluster.url)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    assert computed(m1, "prefill-1") - computed(m0, "prefill-1") == second["usage"]["prompt_tokens"] - cached
+    assert computed(m1, "prefill-0") == computed(m0, "prefill-0")  # not a cold instance fetching it
+    assert fetched(m1, "prefill-1") == fetched(m0, "prefill-1")
+
+
 def test_concurrent_requests_spread_over_the_decode_instances(cluster):
     seen = {"decode-0": 0.0, "decode-1": 0.0}
     done = threading.Event()
