@@ -3,8 +3,8 @@
 For each node: ask where it publishes (retrying until it answers), subscribe, take a snapshot of every
 key it holds (SSD-recovered blocks included), then apply its numbered event batches on top. A gap in the
 numbers or a new epoch (the node restarted) means events were missed: take a snapshot again. A node that
-publishes nothing for LIVENESS_S is asked for its stats; one that does not answer within the timeout is
-down: its blocks leave the index at once (so no request is planned to read them) and it is looked for
+closes its connection (its process died) is down; one that publishes nothing for LIVENESS_S is asked for
+its stats, and one that does not answer within the timeout (hung, cut off) is down too: its blocks leave the index at once (so no request is planned to read them) and it is looked for
 again until it answers. Also polls each live node's counters for the conductor's /metrics."""
 
 import asyncio
@@ -12,6 +12,7 @@ import logging
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from mooncake import messages as m
 from mooncake import security
@@ -89,10 +90,13 @@ class PoolWatcher:
             sub = security.client(self.ctx.socket(zmq.SUB))
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
+            monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # a node that dies closes its connection
             sub.connect(hello.events_address)
             try:
-                why = await self._follow(address, hello, sub)
+                why = await self._follow(address, hello, sub, monitor)
             finally:
+                sub.disable_monitor()
+                monitor.close(linger=0)
                 sub.close(linger=0)
                 self.node_ids.pop(address, None)
                 self.index.drop_holder(hello.node_id)
@@ -107,7 +111,7 @@ class PoolWatcher:
         self.index.add(node_id, reply.keys)
         return reply
 
-    async def _follow(self, address: str, hello: m.HelloReply, sub) -> str:
+    async def _follow(self, address: str, hello: m.HelloReply, sub, monitor) -> str:
         """Index the node until it fails; returns how it failed."""
         node_id = hello.node_id
         await asyncio.sleep(SUBSCRIBE_SETTLE_S)
@@ -117,13 +121,20 @@ class PoolWatcher:
         self.node_ids[address] = node_id
         log.info("indexing cache node %s (%s): %d blocks at event %d, then events from %s", node_id, address,
                  len(snap.keys), seq, hello.events_address)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while True:
-            try:
-                frame = await asyncio.wait_for(sub.recv(), LIVENESS_S)
-            except asyncio.TimeoutError:
+            ready = dict(await poller.poll(LIVENESS_S * 1000))
+            if monitor in ready:
+                if parse_monitor_message(await monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED:
+                    return "closed its connection"
+                continue
+            if sub not in ready:
                 if not isinstance(await self._ask(address, m.Stats()), m.StatsReply):
                     return f"stopped answering (nothing within {self.timeout_s:g} s)"
                 continue
+            frame = await sub.recv()
             try:
                 msg = m.decode(frame)
             except m.MessageError as exc:

@@ -3,7 +3,8 @@
 rendezvous hashing, so every client agrees where a key lives without asking; a read tries those nodes
 in order and then the rest, so a block stays readable while any replica lives.
 
-A node that fails a call (no answer within `cache_client.timeout_s`, a transfer error) is down at once:
+A node that fails a call (no answer within `cache_client.timeout_s`, a transfer error) or closes its
+connection (its process died) is down at once:
 calls skip it (a circuit breaker: they fail fast instead of waiting out the timeout again) until a
 background probe hears it answer `Hello` again, with its possibly new data address. A node that was down
 when the client started is probed the same way."""
@@ -17,6 +18,7 @@ import numpy as np
 import xxhash
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from mooncake import messages as m
 from mooncake import security
@@ -34,6 +36,7 @@ PROBE_MIN_S, PROBE_MAX_S = 0.5, 10.0  # a down node is asked again after this, d
 class _Node:
     control_address: str
     socket: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket  # the socket's connection events: a node that dies closes its connection
     lock: asyncio.Lock
     hello: m.HelloReply | None = None  # None while down
     probe_s: float = PROBE_MIN_S  # wait before the next probe while down
@@ -52,19 +55,30 @@ class CacheClient:
         self.ctx = zmq.asyncio.Context()
         self.nodes: list[_Node] = []
         self.transports: dict[str, object] = {}
-        self._prober: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         """Connect to every node; those that do not answer now are probed until they do."""
         if not self.config.nodes:
             raise TransferError("no cache nodes configured (cache_client.nodes is empty)")
         for address in self.config.nodes:
-            sock = security.client(self.ctx.socket(zmq.DEALER))
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-            self.nodes.append(_Node(address, sock, asyncio.Lock()))
+            self.nodes.append(_Node(address, *self._connect(address), asyncio.Lock()))
         await asyncio.gather(*(self._hello(node) for node in self.nodes))
-        self._prober = asyncio.create_task(self._probe_down_nodes())
+        self._tasks = [asyncio.create_task(self._probe_down_nodes()), asyncio.create_task(self._watch_connections())]
+
+    def _connect(self, address: str) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        sock = security.client(self.ctx.socket(zmq.DEALER))
+        sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(address)
+        return sock, monitor
+
+    def _reconnect(self, node: _Node) -> None:
+        """A fresh socket: the old one may hold a late reply that would answer the next question."""
+        node.socket.disable_monitor()
+        node.monitor.close(linger=0)
+        node.socket.close(linger=0)
+        node.socket, node.monitor = self._connect(node.control_address)
 
     async def _hello(self, node: _Node) -> bool:
         try:
@@ -99,6 +113,22 @@ class CacheClient:
             if due:
                 await asyncio.gather(*(self._hello(n) for n in due))
 
+    async def _watch_connections(self) -> None:
+        """A node whose process dies closes its connection: it is down now, not after a timeout."""
+        while True:
+            poller = zmq.asyncio.Poller()
+            for node in self.nodes:
+                poller.register(node.monitor, zmq.POLLIN)
+            try:
+                ready = dict(await poller.poll(PROBE_MIN_S * 1000))  # then again: sockets may be replaced
+                for node in self.nodes:
+                    if node.monitor in ready:
+                        event = parse_monitor_message(await node.monitor.recv_multipart())
+                        if event["event"] == zmq.EVENT_DISCONNECTED and node.is_up:
+                            self._down(node, "it closed its connection")
+            except zmq.ZMQError:  # a monitor closed under the poll (its socket was replaced): poll anew
+                continue
+
     async def _call(self, node: _Node, request):
         """One request/reply on a node's control socket, within the deadline."""
         async with node.lock:
@@ -106,11 +136,7 @@ class CacheClient:
                 await asyncio.wait_for(node.socket.send(m.encode(request)), self.config.timeout_s)
                 reply = m.decode(await asyncio.wait_for(node.socket.recv(), self.config.timeout_s))
             except asyncio.TimeoutError:
-                # The socket may now hold a late reply; a fresh one keeps later calls in step.
-                node.socket.close(linger=0)
-                node.socket = security.client(self.ctx.socket(zmq.DEALER))
-                node.socket.setsockopt(zmq.LINGER, 0)
-                node.socket.connect(node.control_address)
+                self._reconnect(node)
                 raise TransferError(f"cache node {node.control_address}: no answer to {request.TAG!r} within "
                                     f"{self.config.timeout_s:g} s") from None
         if isinstance(reply, m.ErrorReply):
@@ -203,12 +229,14 @@ class CacheClient:
         return {n.control_address: r.stats for n, r in zip(live, replies)}
 
     async def stop(self) -> None:
-        if self._prober is not None:
-            self._prober.cancel()
-            await asyncio.gather(self._prober, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for transport in self.transports.values():
             await transport.stop()
         for node in self.nodes:
+            node.socket.disable_monitor()
+            node.monitor.close(linger=0)
             node.socket.close(linger=0)
         self.ctx.term()
 
