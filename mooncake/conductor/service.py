@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Conductor", "Rejected", "RequestError", "StreamEvent", "Unavailable"]
 
+SUBMIT_TRIES = 3  # placements tried for a new request whose instance turns out to be unreachable
 RETRY_PLACEMENT_S = 0.25  # a migrating request with no instance to go to looks again this often
 
 
@@ -116,15 +117,20 @@ class Conductor:
         now = self.clock()
         flight = Flight(uuid.uuid4().hex, list(prompt_token_ids), params, admitted_s=now,
                         deadline_s=now + self.cfg.request_deadline_s)
-        try:
-            await self._start_leg(flight, admit=True)
-        except Rejected as exc:
-            self.metrics.rejections.labels(exc.reason).inc()
-            raise
-        except LegFailed as exc:
-            self._end(flight, "error")
-            raise Unavailable(f"{exc}; retry") from None
-        return flight
+        avoid: tuple[str, ...] = ()
+        for _ in range(SUBMIT_TRIES):
+            try:
+                await self._start_leg(flight, admit=True, avoid=avoid)
+                return flight
+            except Rejected as exc:
+                self.metrics.rejections.labels(exc.reason).inc()
+                raise
+            except LegFailed as exc:  # an instance died and the liveness watch has not seen it yet
+                self._end_leg(flight)
+                flight.num_legs, avoid = 0, avoid + exc.suspects
+                failure = exc
+        self._end(flight, "error")
+        raise Unavailable(f"{failure}; retry")
 
     def abandon(self, flight: Flight) -> None:
         """Let go of a submitted request that will not be streamed (its client went away, or another choice
