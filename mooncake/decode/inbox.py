@@ -5,6 +5,8 @@ at most `max_bytes`: a block past that is refused (the sender reports it), never
 
 import time
 
+TOMBSTONE_S = 10.0  # how long a released block that had not arrived yet is waited for, to be dropped
+
 
 class KVInbox:
     keeps_blocks = True  # transports hand over block bytes it may hold (mooncake/transfer/contract.py)
@@ -14,11 +16,18 @@ class KVInbox:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self._blocks: dict[int, list] = {}  # hash -> [block bytes, copies pending, arrival time]
+        self._tombstones: dict[int, tuple[int, float]] = {}  # hash -> (late copies to drop, until when)
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def put_block(self, key: int, data) -> str | None:
+        if (tomb := self._tombstones.pop(key, None)) is not None:
+            count, until = tomb
+            if count > 1:
+                self._tombstones[key] = (count - 1, until)
+            if until >= time.monotonic():
+                return None  # the copy of a cancelled request, late: taken and dropped
         entry = self._blocks.get(key)
         if entry is None:
             size = memoryview(data).nbytes
@@ -49,16 +58,21 @@ class KVInbox:
         return found
 
     def release(self, keys: list[int]) -> int:
-        """Give back one copy of each of `keys` present (a cancelled request's unclaimed blocks); how many
-        blocks left the inbox. NOTE: a block still on its way when the cancel came arrives later and waits
-        for the TTL; a tombstone would instead drop the same prefix block of another request."""
+        """Give back one copy of each of `keys` (a cancelled request's unclaimed blocks); how many blocks
+        left the inbox. A key not here yet is still on its way: its copy is dropped when it arrives within
+        TOMBSTONE_S. NOTE: should another request push the same block first, that copy is the one dropped,
+        and that request computes the block instead of importing it: slower, never wrong."""
         before = len(self._blocks)
+        now = time.monotonic()
         for key in keys:
             entry = self._blocks.get(key)
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    self._drop(key)
+            if entry is None:
+                count, _ = self._tombstones.get(key, (0, 0.0))
+                self._tombstones[key] = (count + 1, now + TOMBSTONE_S)
+                continue
+            entry[1] -= 1
+            if entry[1] <= 0:
+                self._drop(key)
         return before - len(self._blocks)
 
     def expire(self) -> int:
@@ -67,6 +81,8 @@ class KVInbox:
         stale = [k for k, (_, _, t) in self._blocks.items() if t < cutoff]
         for key in stale:
             self._drop(key)
+        now = time.monotonic()
+        self._tombstones = {k: v for k, v in self._tombstones.items() if v[1] >= now}
         return len(stale)
 
     def _drop(self, key: int) -> None:

@@ -30,3 +30,15 @@ def test_the_inbox_is_bounded_in_bytes_and_refuses_past_it_with_a_clear_reason()
     assert inbox.claim([1]) == [b"123456"] and inbox.num_bytes == 6
     assert inbox.claim([1]) == [b"123456"] and inbox.num_bytes == 0
     assert inbox.put_block(2, b"123456") is None  # room again once claimed
+
+
+def test_release_gives_back_a_cancelled_requests_copies_and_drops_its_late_ones():
+    inbox = KVInbox(ttl_s=60)
+    for key in (1, 2):
+        inbox.put_block(key, b"x" * 8)
+    inbox.put_block(1, b"x" * 8)  # a second request shares block 1
+    assert inbox.release([1, 2, 3]) == 1  # block 2 leaves; block 1 stays for the other request
+    assert inbox.claim([1]) == [b"x" * 8] and len(inbox) == 0
+    # Block 3 was still on its way when the request was cancelled: it is dropped when it lands, once.
+    assert inbox.put_block(3, b"y" * 8) is None and len(inbox) == 0 and inbox.num_bytes == 0
+    assert inbox.put_block(3, b"y" * 8) is None and len(inbox) == 1
