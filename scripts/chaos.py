@@ -113,7 +113,9 @@ class Client:
 
 def error_kind(c: Client) -> str:
     if c.status and c.status != 200:
-        return f"http_{c.status}"
+        why = ("unreachable" if "unreachable" in (c.error or "") else
+               "no_live_instance" if "no live" in (c.error or "") else "")
+        return f"http_{c.status}" + (f"_{why}" if why else "")
     if not c.is_terminal:
         return "stream_broke"
     text = c.error or ""
@@ -205,16 +207,21 @@ def held(cluster: DevCluster) -> dict[str, float]:
     return out
 
 
-def reference(clients: list[Client], model: str, block: int) -> list[list[int]]:
-    """Greedy tokens of each client's prompt from a local engine on the same weights, one at a time."""
+def reference(clients: list[Client], model: str, block: int, batch: int = 16) -> list[list[int]]:
+    """Greedy tokens of each client's prompt from a local engine on the same weights, `batch` at a time
+    (as the cluster batches them: a stream that differs only by batching numerics counts as diverged)."""
     from mooncake.config import EngineConfig
     from mooncake.engine import LLMEngine
     from mooncake.sampling import SamplingParams
-    engine = LLMEngine(EngineConfig(model=model, block_size=block, kv_cache_bytes=64 << 20, num_threads=1))
+    engine = LLMEngine(EngineConfig(model=model, block_size=block, kv_cache_bytes=256 << 20, num_threads=2))
     refs = []
-    for c in clients:
-        params = SamplingParams(max_tokens=c.max_tokens, temperature=0.0, ignore_eos=True)
-        refs.append(engine.generate([c.prompt], params)[0].token_ids)
+    for i in range(0, len(clients), batch):
+        group = clients[i:i + batch]
+        ids = [engine.add_request(c.prompt, SamplingParams(max_tokens=c.max_tokens, temperature=0.0,
+                                                           ignore_eos=True)) for c in group]
+        while engine.has_unfinished():
+            engine.step()
+        refs += [engine.pop_completion(r).token_ids for r in ids]
     return refs
 
 
@@ -248,7 +255,7 @@ def main() -> None:
     parser.add_argument("--faults", default=",".join(FAULTS), help="of: " + ", ".join(FAULTS))
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--max-input", type=int, default=384)
-    parser.add_argument("--max-output", type=int, default=96)
+    parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)

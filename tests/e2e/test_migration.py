@@ -1,7 +1,8 @@
 """Every request ends and nothing is lost, end to end (every role its own process): a decode instance
 killed or hung mid-stream and a prefill instance killed before the first token cost the client nothing (its
-greedy stream equals an undisturbed one); a request that ends at prefill ships no KV; a client that goes
-away while its request is queued leaves nothing behind on any role."""
+greedy stream equals an undisturbed one); a dead cache node costs no request a timeout; a request that
+ends at prefill ships no KV; a client that goes away while its request is queued leaves nothing behind on
+any role."""
 
 import json
 import random
@@ -15,10 +16,14 @@ import pytest
 
 from tests.e2e.conftest import make_cluster, metrics, post
 
+CACHE_TIMEOUT_S = 20.0
+
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dir, tmp_path_factory):
-    with make_cluster(tmp_path_factory, "tcp", num_prefill=2, num_decode=2) as c:
+    # A long pool timeout: a request that waited one out would show.
+    with make_cluster(tmp_path_factory, "tcp", num_prefill=2, num_decode=2,
+                      **{"cache_client.timeout_s": CACHE_TIMEOUT_S}) as c:
         yield c
 
 
@@ -148,21 +153,49 @@ def test_a_request_that_ends_at_prefill_ships_no_kv_to_decode(cluster):
     wait_for(lambda: idle(cluster), 5, "decode's inbox emptied")
 
 
-def test_a_client_that_goes_away_while_queued_leaves_nothing_behind(cluster):
+@pytest.mark.parametrize("stage, stopped", [("queued", ("prefill-0", "prefill-1")),
+                                           ("transferring", ("decode-0", "decode-1"))])
+def test_a_client_that_goes_away_before_the_first_token_leaves_nothing_behind(cluster, stage, stopped):
+    """Queued: every prefill instance is stopped, so the request waits in one. Transferring: every decode
+    instance is stopped, so prefill computes and then waits on its KV push."""
     cancelled = 'mooncake_requests_total{outcome="cancelled"}'
     before = metrics(cluster.url).get(cancelled, 0.0)
     body = json.dumps({**story(max_tokens=20), "stream": True}).encode()
-    for name in ("prefill-0", "prefill-1"):  # the request waits on whichever it is placed on
+    for name in stopped:
         cluster.kill(name, signal.SIGSTOP)
     try:
         host, port = cluster.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=30) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
-            wait_for(lambda: len(holders(cluster, "prefill")) == 1, 10, "the request queued on a prefill instance")
+            wait_for(lambda: len(holders(cluster, "prefill")) == 1, 10, "the request placed on a prefill instance")
+            time.sleep(0.3)  # transferring: prefill has computed and is pushing
         wait_for(lambda: metrics(cluster.url).get(cancelled, 0.0) == before + 1, 5, "the request cancelled")
     finally:
-        for name in ("prefill-0", "prefill-1"):
+        for name in stopped:
             cluster.kill(name, signal.SIGCONT)
     cluster.wait_ready(120)
+    wait_for(lambda: idle(cluster), 10, "every role back to idle")
+
+
+def test_a_dead_cache_node_costs_no_request_a_timeout_and_is_used_again_when_back(cluster):
+    body = story(max_tokens=4)
+    status, _ = post(cluster.url + "/v1/completions", body)  # its prefix is now in the pool and on prefill-0
+    assert status == 200
+    time.sleep(0.6)  # heartbeats and pool events: the index has it
+    cluster.kill("cache-0", signal.SIGKILL)
+    cluster.kill("prefill-0", signal.SIGKILL)  # the next request goes where only the pool had the prefix
+    try:
+        wait_for(lambda: cluster.health().get("cache") == [], 5, "the dead cache node left the index")
+        for i in range(3):
+            started = time.monotonic()
+            status, reply = post(cluster.url + "/v1/completions", {**body, "prompt": body["prompt"] + f" {i}"})
+            assert status == 200, reply
+            # Well under the pool's timeout: nobody waited on the dead node.
+            assert time.monotonic() - started < CACHE_TIMEOUT_S / 2
+    finally:
+        cluster.spawn(cluster.process("cache-0"))
+        cluster.spawn(cluster.process("prefill-0"))
+    cluster.wait_ready(120)
+    wait_for(lambda: cluster.health().get("cache") == ["cache-0"], 30, "the restarted cache node indexed again")
     wait_for(lambda: idle(cluster), 10, "every role back to idle")
