@@ -1,6 +1,7 @@
 """The conductor's decision for one request: where (the placement policy, Algorithm 1 by default) and
 whether (the admission policy, early rejection), over a ClusterView of the live instances and the requests
-in flight on them. No sockets and no clock of its own: the caller says what time it is."""
+in flight on them. No sockets and no clock of its own: the caller says what time it is. The live
+conductor and the simulator (sim/disaggregated.py) decide through the same object."""
 
 import logging
 
@@ -34,8 +35,8 @@ class Decider:
         rejection = self.admission.admit(request, placement, cluster, now) if admit else None
         if rejection is None:
             return placement
-        log.info("rejected %s: %s (TTFT %.2f s, TBT %.3f s predicted)", request.request_id, rejection.reason,
-                 rejection.ttft_s, rejection.tbt_s)
+        log.debug("rejected %s: %s (TTFT %.2f s, TBT %.3f s predicted)", request.request_id, rejection.reason,
+                  rejection.ttft_s, rejection.tbt_s)
         if rejection.reason == "ttft_slo":
             what = f"time to first token {rejection.ttft_s:.2f} s exceeds conductor.ttft_slo_s = {self.cfg.ttft_slo_s:g} s"
         else:

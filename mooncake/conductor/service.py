@@ -124,6 +124,7 @@ class Conductor:
                 return flight
             except Rejected as exc:
                 self.metrics.rejections.labels(exc.reason).inc()
+                log.info("rejected %s: %s", flight.request_id, exc)
                 raise
             except LegFailed as exc:  # an instance died and the liveness watch has not seen it yet
                 self._end_leg(flight)

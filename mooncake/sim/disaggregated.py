@@ -9,9 +9,10 @@ layer by layer, so only the last layer's transfer shows; decode instances run co
 from collections import deque
 from dataclasses import dataclass, field
 
-from mooncake.conductor.admission import make_admission_policy
+from mooncake.conductor.decide import Decider
+from mooncake.conductor.flight import Rejected, Unavailable
 from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
-from mooncake.conductor.policies import Estimators, make_placement_policy
+from mooncake.conductor.policies import Estimators
 from mooncake.conductor.prefix_index import PrefixIndex
 from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, PrefillView, RequestView
 from mooncake.config import ConductorConfig, SimConfig
@@ -68,11 +69,7 @@ class DisaggregatedCluster(SimulatedCluster):
         est = Estimators(PrefillTimeModel(*cost.prefill_coefficients()), DecodeStepModel(*cost.decode_coefficients()),
                          BandwidthEstimator(cost.network_bytes_per_s))
         self.est = est
-        kwargs = {"balancing_threshold": conductor.balancing_threshold} if conductor.placement == "kvcache-centric" \
-            else {}
-        self.policy = make_placement_policy(conductor.placement, self.index, est, **kwargs)
-        self.admission = make_admission_policy(conductor.admission, est.decode_step, conductor.ttft_slo_s,
-                                               conductor.tbt_slo_s)
+        self.decider = Decider(conductor, self.index, est)  # the live conductor's decision core
         self.tbt_slo_s = conductor.tbt_slo_s
         self.ttft_slo_s = conductor.ttft_slo_s
         self.prefills = {f"p{i}": _Prefill(f"p{i}", NodePool(cfg.dram_blocks_per_node)) for i in range(cfg.num_prefill)}
@@ -104,8 +101,9 @@ class DisaggregatedCluster(SimulatedCluster):
         self.records.append(record)
         request = RequestView(str(i), req.input_length, req.hash_ids, req.output_length, now)
         view = self._view(now)
-        placement = self.policy.place(request, view, now)
-        if placement is None or self.admission.admit(request, placement, view, now) is not None:
+        try:
+            placement = self.decider.decide(request, view, now)
+        except (Unavailable, Rejected):
             record.rejected_at = "arrival"
             return
         reused = min(placement.reuse_blocks * self.cfg.block_tokens, req.input_length - 1)

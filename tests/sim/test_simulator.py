@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from mooncake.conductor.admission import PredictiveRejection
+from mooncake.conductor.decide import Decider
 from mooncake.conductor.policies import KVCacheCentricPolicy
 from mooncake.config import load_config
 from mooncake.errors import ConfigError
@@ -43,11 +44,13 @@ def test_same_input_same_result(tmp_path):
     assert first == again
 
 
-def test_simulator_drives_the_conductors_policy_classes():
+def test_simulator_decides_through_the_conductors_decision_core():
     cfg = config(**{"conductor.admission": "predictive"})
     cluster = DisaggregatedCluster(cfg.sim, cfg.conductor, CostModel())
-    assert type(cluster.policy) is KVCacheCentricPolicy and type(cluster.admission) is PredictiveRejection
-    assert cluster.policy.index is cluster.index  # the index the simulated pool keeps up to date
+    assert type(cluster.decider) is Decider
+    assert type(cluster.decider.policy) is KVCacheCentricPolicy
+    assert type(cluster.decider.admission) is PredictiveRejection
+    assert cluster.decider.policy.index is cluster.index  # the index the simulated pool keeps up to date
 
 
 def test_every_request_is_accounted_for_and_tokens_are_in_order(tmp_path):
