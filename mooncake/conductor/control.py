@@ -67,7 +67,9 @@ class ControlPlane:
             self.ctx = None
 
     async def send(self, instance_id: str, msg) -> bool:
-        """False when the instance is not connected (ROUTER_MANDATORY) or the socket is gone."""
+        """False when the instance is not connected (ROUTER_MANDATORY) or the socket is gone. An instance
+        that is not connected is dead from now on, not a heartbeat timeout later; it re-registers when
+        it is back."""
         if self.ctx is None:
             return False
         try:
@@ -75,6 +77,10 @@ class ControlPlane:
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY: not connected
             log.warning("cannot reach %s with %s: %s", instance_id, msg.TAG, exc)
+            instance = self.registry.get(instance_id)
+            if instance is not None and instance.is_alive:
+                self.registry.leave(instance_id)
+                self._dead(instance, "is not connected")
             return False
 
     async def _receive(self) -> None:

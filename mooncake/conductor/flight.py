@@ -66,6 +66,7 @@ class Flight:
     deadline_s: float  # the conductor's clock: the request ends by then
     # the current leg
     wire_id: str = ""  # the request's id on the wire for this leg
+    num_wire_ids: int = 0  # legs sent so far (placements refused at once included): a new id each
     block_hashes: list[int] = field(default_factory=list)  # of this leg's prompt (prompt + generated)
     placement: Placement | None = None
     predicted_prefill_s: float = 0.0

@@ -162,7 +162,10 @@ class Conductor:
         cluster = cluster_view(self.registry, self.flights, self.block_size, self.block_bytes, pool_nodes, avoid)
         p = self.decider.decide(view, cluster, now, admit)
         flight.num_legs += 1
-        flight.wire_id = flight.request_id if flight.num_legs == 1 else f"{flight.request_id}.{flight.num_legs - 1}"
+        flight.num_wire_ids += 1
+        # NOTE: a new id per leg: a late report or Cancel of an old leg never touches the new one.
+        n = flight.num_wire_ids
+        flight.wire_id = flight.request_id if n == 1 else f"{flight.request_id}.{n - 1}"
         flight.block_hashes, flight.placement, flight.in_prefill, flight.is_decode_sent = hashes, p, True, False
         flight.predicted_prefill_s = self.estimators.prefill_time.predict(len(tokens), p.reuse_blocks * self.block_size)
         start = now + p.ttft_s

@@ -1,11 +1,16 @@
 """A decode instance's KV inbox: the BlockService its transport serves, where prefill instances push a
 request's blocks before the conductor sends the `Decode` that claims them. Blocks are keyed by hash and
 counted, so two requests sharing a prefix can both claim it; what nobody claims expires. The inbox holds
-at most `max_bytes`: a block past that is refused (the sender reports it), never buffered without bound."""
+at most `max_bytes`: a block past that is refused (the sender reports it), never buffered without bound.
+
+A cancelled request's unclaimed copies are released at once (`release`). A copy of it still on its way
+then lands uncounted: it stays claimable (another request, or the same request's next leg after a
+migration, may push and claim the same block) but expires after ORPHAN_TTL_S instead of the inbox TTL."""
 
 import time
 
-TOMBSTONE_S = 10.0  # how long a released block that had not arrived yet is waited for, to be dropped
+ORPHAN_TTL_S = 3.0  # an uncounted copy (of a cancelled request, landed late) waits this long for a claim
+RELEASED_S = 10.0  # how long a release waits for a copy still on its way
 
 
 class KVInbox:
@@ -15,19 +20,15 @@ class KVInbox:
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
         self.num_bytes = 0
-        self._blocks: dict[int, list] = {}  # hash -> [block bytes, copies pending, arrival time]
-        self._tombstones: dict[int, tuple[int, float]] = {}  # hash -> (late copies to drop, until when)
+        self._blocks: dict[int, list] = {}  # hash -> [block bytes, copies counted, expiry time]
+        self._released: dict[int, tuple[int, float]] = {}  # hash -> (copies on their way to uncount, until)
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def put_block(self, key: int, data) -> str | None:
-        if (tomb := self._tombstones.pop(key, None)) is not None:
-            count, until = tomb
-            if count > 1:
-                self._tombstones[key] = (count - 1, until)
-            if until >= time.monotonic():
-                return None  # the copy of a cancelled request, late: taken and dropped
+        now = time.monotonic()
+        counted = not self._take_release(key, now)
         entry = self._blocks.get(key)
         if entry is None:
             size = memoryview(data).nbytes
@@ -35,10 +36,10 @@ class KVInbox:
                 return (f"the KV inbox is full ({self.num_bytes} of {self.max_bytes} bytes held; "
                         f"instance.kv_inbox_bytes sets the limit)")
             self.num_bytes += size
-            self._blocks[key] = [data, 1, time.monotonic()]
-        else:
+            entry = self._blocks[key] = [data, 0, now]
+        if counted:
             entry[1] += 1
-            entry[2] = time.monotonic()
+        entry[2] = max(entry[2], now + (self.ttl_s if counted else ORPHAN_TTL_S))
         return None
 
     def get_block(self, key: int):
@@ -59,16 +60,14 @@ class KVInbox:
 
     def release(self, keys: list[int]) -> int:
         """Give back one copy of each of `keys` (a cancelled request's unclaimed blocks); how many blocks
-        left the inbox. A key not here yet is still on its way: its copy is dropped when it arrives within
-        TOMBSTONE_S. NOTE: should another request push the same block first, that copy is the one dropped,
-        and that request computes the block instead of importing it: slower, never wrong."""
+        left the inbox. A key with no counted copy here is still on its way: it will land uncounted."""
         before = len(self._blocks)
         now = time.monotonic()
         for key in keys:
             entry = self._blocks.get(key)
-            if entry is None:
-                count, _ = self._tombstones.get(key, (0, 0.0))
-                self._tombstones[key] = (count + 1, now + TOMBSTONE_S)
+            if entry is None or entry[1] <= 0:
+                count, _ = self._released.get(key, (0, 0.0))
+                self._released[key] = (count + 1, now + RELEASED_S)
                 continue
             entry[1] -= 1
             if entry[1] <= 0:
@@ -76,14 +75,22 @@ class KVInbox:
         return before - len(self._blocks)
 
     def expire(self) -> int:
-        """Drop blocks nobody claimed within the TTL; how many went."""
-        cutoff = time.monotonic() - self.ttl_s
-        stale = [k for k, (_, _, t) in self._blocks.items() if t < cutoff]
+        """Drop blocks past their expiry (nobody claimed them in time); how many went."""
+        now = time.monotonic()
+        stale = [k for k, (_, _, until) in self._blocks.items() if until < now]
         for key in stale:
             self._drop(key)
-        now = time.monotonic()
-        self._tombstones = {k: v for k, v in self._tombstones.items() if v[1] >= now}
+        self._released = {k: v for k, v in self._released.items() if v[1] >= now}
         return len(stale)
+
+    def _take_release(self, key: int, now: float) -> bool:
+        released = self._released.pop(key, None)
+        if released is None:
+            return False
+        count, until = released
+        if count > 1:
+            self._released[key] = (count - 1, until)
+        return until >= now
 
     def _drop(self, key: int) -> None:
         self.num_bytes -= memoryview(self._blocks.pop(key)[0]).nbytes

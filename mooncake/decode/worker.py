@@ -80,7 +80,7 @@ class DecodeWorker(Worker):
 
     async def _expire(self) -> None:
         while True:
-            await asyncio.sleep(min(5.0, self.inbox.ttl_s))
+            await asyncio.sleep(min(1.0, self.inbox.ttl_s))
             if n := self.inbox.expire():
-                log.info("%s: dropped %d KV blocks no request claimed within %g s", self.name, n,
-                         self.inbox.ttl_s)
+                log.info("%s: dropped %d KV blocks no request claimed in time (instance.kv_inbox_ttl_s = %g s)",
+                         self.name, n, self.inbox.ttl_s)

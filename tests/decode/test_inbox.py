@@ -1,4 +1,4 @@
-from mooncake.decode.inbox import KVInbox
+from mooncake.decode.inbox import ORPHAN_TTL_S, KVInbox
 
 
 def test_blocks_are_claimed_in_prefix_order_once_per_push():
@@ -32,13 +32,24 @@ def test_the_inbox_is_bounded_in_bytes_and_refuses_past_it_with_a_clear_reason()
     assert inbox.put_block(2, b"123456") is None  # room again once claimed
 
 
-def test_release_gives_back_a_cancelled_requests_copies_and_drops_its_late_ones():
+def test_release_gives_back_a_cancelled_requests_copies_and_its_late_ones_expire_soon():
     inbox = KVInbox(ttl_s=60)
     for key in (1, 2):
         inbox.put_block(key, b"x" * 8)
     inbox.put_block(1, b"x" * 8)  # a second request shares block 1
     assert inbox.release([1, 2, 3]) == 1  # block 2 leaves; block 1 stays for the other request
     assert inbox.claim([1]) == [b"x" * 8] and len(inbox) == 0
-    # Block 3 was still on its way when the request was cancelled: it is dropped when it lands, once.
-    assert inbox.put_block(3, b"y" * 8) is None and len(inbox) == 0 and inbox.num_bytes == 0
+    # Block 3 was still on its way when the request was cancelled: it lands uncounted, still claimable
+    # (a migrated leg pushing the same block claims it) but gone after ORPHAN_TTL_S, not the inbox TTL.
     assert inbox.put_block(3, b"y" * 8) is None and len(inbox) == 1
+    assert inbox.claim([3]) == [b"y" * 8] and len(inbox) == 0
+    inbox.release([4])
+    inbox.put_block(4, b"z" * 8)
+    inbox._blocks[4][2] -= ORPHAN_TTL_S + 0.1  # as if ORPHAN_TTL_S had passed
+    assert inbox.expire() == 1 and len(inbox) == 0 and inbox.num_bytes == 0
+    # A counted copy (the next request's) of a released block keeps the inbox TTL.
+    inbox.release([5])
+    inbox.put_block(5, b"w" * 8)  # the late copy: uncounted
+    inbox.put_block(5, b"w" * 8)  # a new push: counted
+    inbox._blocks[5][2] -= ORPHAN_TTL_S + 0.1
+    assert inbox.expire() == 0 and inbox.claim([5]) == [b"w" * 8] and len(inbox) == 0

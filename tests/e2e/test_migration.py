@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 from tests.e2e.conftest import make_cluster, metrics, post
+from tests.e2e.test_fault import cache_stats
 
 CACHE_TIMEOUT_S = 20.0
 
@@ -75,12 +76,17 @@ def holders(cluster, role: str) -> list[str]:
             and values.get(f'mooncake_requests_in_flight{{instance="{p.name}"}}') == 1]
 
 
-def idle(cluster) -> bool:
-    """No request in flight and no KV held or waiting anywhere (as the heartbeats report it)."""
-    values = metrics(cluster.url)
-    busy = {k: v for k, v in values.items() if v and k.startswith(
+def busy(cluster) -> dict[str, float]:
+    """Requests in flight and KV held or waiting anywhere (as the heartbeats report it)."""
+    return {k: v for k, v in metrics(cluster.url).items() if v and k.startswith(
         ("mooncake_requests_in_flight", "mooncake_instance_kv_blocks_used", "mooncake_instance_kv_inbox_blocks"))}
-    return not busy
+
+
+def assert_idle(cluster, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while held := busy(cluster):
+        assert time.monotonic() < deadline, f"not idle after {timeout_s} s: {held}"
+        time.sleep(0.1)
 
 
 def migrations(cluster) -> float:
@@ -117,7 +123,7 @@ def test_a_decode_instance_lost_mid_stream_costs_the_stream_nothing(cluster, sig
     assert len(tokens) == body["max_tokens"] and stream.finish_reason == "length"
     assert tokens == reference, "the moved stream differs from the undisturbed one"
     cluster.wait_ready(120)
-    wait_for(lambda: idle(cluster), 10, "every role back to idle")
+    assert_idle(cluster, 10)
 
 
 def test_a_prefill_instance_killed_before_the_first_token_costs_the_request_nothing(cluster):
@@ -133,7 +139,7 @@ def test_a_prefill_instance_killed_before_the_first_token_costs_the_request_noth
         cluster.spawn(cluster.process("prefill-0"))
     cluster.wait_ready(120)
     assert tokens == undisturbed(cluster, body)
-    wait_for(lambda: idle(cluster), 10, "every role back to idle")
+    assert_idle(cluster, 10)
 
 
 def test_a_request_that_ends_at_prefill_ships_no_kv_to_decode(cluster):
@@ -150,7 +156,7 @@ def test_a_request_that_ends_at_prefill_ships_no_kv_to_decode(cluster):
                                                            "stop_token_ids": [first]})
     assert status == 200 and reply["usage"]["completion_tokens"] == 1
     assert reply["choices"][0]["finish_reason"] == "stop"
-    wait_for(lambda: idle(cluster), 5, "decode's inbox emptied")
+    assert_idle(cluster, 5)
 
 
 @pytest.mark.parametrize("stage, stopped", [("queued", ("prefill-0", "prefill-1")),
@@ -175,7 +181,35 @@ def test_a_client_that_goes_away_before_the_first_token_leaves_nothing_behind(cl
         for name in stopped:
             cluster.kill(name, signal.SIGCONT)
     cluster.wait_ready(120)
-    wait_for(lambda: idle(cluster), 10, "every role back to idle")
+    assert_idle(cluster, 10)
+
+
+def test_a_client_that_goes_away_while_its_prefix_is_read_from_the_pool_leaves_nothing_behind(cluster):
+    """Fetching: the prefix is only in the pool (its prefill holder is gone) and the cache node hangs, so
+    the prefill instance waits on its read when the client leaves."""
+    body = story(max_tokens=20)
+    assert post(cluster.url + "/v1/completions", body)[0] == 200  # on prefill-0 and in the pool
+    time.sleep(0.6)
+    cancelled = 'mooncake_requests_total{outcome="cancelled"}'
+    before = metrics(cluster.url).get(cancelled, 0.0)
+    cluster.kill("prefill-0", signal.SIGKILL)
+    cluster.kill("cache-0", signal.SIGSTOP)
+    try:
+        wait_for(lambda: cluster.health().get("prefill") == ["prefill-1"], 10, "prefill-0 gone")
+        data = json.dumps({**body, "prompt": body["prompt"] + " again", "stream": True}).encode()
+        host, port = cluster.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(data) + data)
+            wait_for(lambda: holders(cluster, "prefill") == ["prefill-1"], 10, "the request on prefill-1")
+            time.sleep(0.3)
+        wait_for(lambda: metrics(cluster.url).get(cancelled, 0.0) == before + 1, 5, "the request cancelled")
+    finally:
+        cluster.kill("cache-0", signal.SIGCONT)
+        cluster.spawn(cluster.process("prefill-0"))
+    cluster.wait_ready(120)
+    assert_idle(cluster, 10)
+    wait_for(lambda: cache_stats(cluster)["leased_blocks"] == 0, 10, "the cache node's read leases released")
 
 
 def test_a_dead_cache_node_costs_no_request_a_timeout_and_is_used_again_when_back(cluster):
@@ -198,4 +232,4 @@ def test_a_dead_cache_node_costs_no_request_a_timeout_and_is_used_again_when_bac
         cluster.spawn(cluster.process("prefill-0"))
     cluster.wait_ready(120)
     wait_for(lambda: cluster.health().get("cache") == ["cache-0"], 30, "the restarted cache node indexed again")
-    wait_for(lambda: idle(cluster), 10, "every role back to idle")
+    assert_idle(cluster, 10)
