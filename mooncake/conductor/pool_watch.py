@@ -4,8 +4,9 @@ For each node: ask where it publishes (retrying until it answers), subscribe, ta
 key it holds (SSD-recovered blocks included), then apply its numbered event batches on top. A gap in the
 numbers or a new epoch (the node restarted) means events were missed: take a snapshot again. A node that
 closes its connection (its process died) is down; one that publishes nothing for LIVENESS_S is asked for
-its stats, and one that does not answer within the timeout (hung, cut off) is down too: its blocks leave the index at once (so no request is planned to read them) and it is looked for
-again until it answers. Also polls each live node's counters for the conductor's /metrics."""
+its stats, and one that does not answer within the timeout (hung, cut off) is down too: its blocks leave
+the index at once (so no request is planned to read them) and it is looked for again until it answers.
+Also polls each live node's counters for the conductor's /metrics."""
 
 import asyncio
 import logging
