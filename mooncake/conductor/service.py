@@ -31,6 +31,7 @@ from mooncake.models import resolve_model
 from mooncake.runtime import Supervisor
 from mooncake.sampling import SamplingParams
 from mooncake.text import IncrementalDetokenizer
+from mooncake.tokenizer import LightTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,9 @@ class Conductor:
     # -- lifecycle ----------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        from transformers import AutoTokenizer
         self.model = await asyncio.to_thread(resolve_model, self.config.engine.model)
-        self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model.path)
+        # NOTE: not transformers' AutoTokenizer, which imports torch: the conductor runs no model.
+        self.tokenizer = await asyncio.to_thread(LightTokenizer, self.model.path)
         self.block_size = self.config.engine.block_size
         self.namespace = make_namespace(self.model.model_id, self.block_size)
         max_positions = self.model.config.get("max_position_embeddings", 2048)
