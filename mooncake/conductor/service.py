@@ -325,6 +325,12 @@ class Conductor:
         flight.ended = True
         self._end_leg(flight)
         self.metrics.requests.labels(outcome).inc()
+        p = flight.placement
+        # NOTE: one line per request, key=value, for log search (the request id is the one instances log).
+        log.info("request %s outcome=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft_s=%.3f "
+                 "e2e_s=%.3f legs=%d prefill=%s decode=%s", flight.request_id, outcome, len(flight.prompt_token_ids),
+                 flight.num_cached_tokens, len(flight.generated), flight.ttft_s, self.clock() - flight.admitted_s,
+                 flight.num_legs, p.prefill_id if p else "-", p.decode_id if p else "-")
         if outcome == "ok":
             self.metrics.e2e.observe(self.clock() - flight.admitted_s)
             self.metrics.slo.labels(str(self._within_slo(flight)).lower()).inc()

@@ -122,6 +122,10 @@ def test_a_decode_instance_lost_mid_stream_costs_the_stream_nothing(cluster, sig
             cluster.spawn(cluster.process(victim))
     assert len(tokens) == body["max_tokens"] and stream.finish_reason == "length"
     assert tokens == reference, "the moved stream differs from the undisturbed one"
+    # The conductor's one line for the request says what happened to it.
+    lines = (cluster.workdir / "conductor.log").read_text().splitlines()
+    assert any("outcome=ok" in line and f"completion_tokens={len(tokens)} " in line and "legs=2 " in line
+               for line in lines)
     cluster.wait_ready(120)
     assert_idle(cluster, 10)
 
