@@ -106,6 +106,9 @@ def make_role(role: str, cfg):
     return ServiceStack("conductor", [conductor, ApiServer(cfg, conductor)])
 
 
+# `mooncake dev` without --config: one box runs every role, so each gets less than a dedicated host would.
+DEV_SIZES = {"engine.kv_cache_bytes": 512 << 20, "store.dram_bytes": 512 << 20}
+
 @app.command()
 def dev(
     prefill: int = typer.Option(1, "--prefill", "-P", help="Prefill instances."),
@@ -116,7 +119,9 @@ def dev(
     port: int = typer.Option(8000, "--port", "-p", help="HTTP port of the OpenAI API (0: any free port)."),
     transport: Optional[str] = typer.Option(None, "--transport", help="KV transport: tcp, shm, mooncake. "
                                             "Default: the config's instance.transport (tcp)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Base TOML config for every process."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Base TOML config for every process. "
+                                          "Without one, sizes fit a laptop: 512 MiB of paged KV per instance and "
+                                          "512 MiB of DRAM for the cache node (1 GiB each otherwise)."),
     workdir: Optional[Path] = typer.Option(None, "--workdir", help="Where to write each process's config "
                                            "(default: a new temp directory)."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for every instance to be ready."),
@@ -131,7 +136,7 @@ def dev(
     from mooncake.dev import DevCluster, run_dev
     from mooncake.models import resolve_model
 
-    overrides = {"api.port": port}
+    overrides = ({} if config else dict(DEV_SIZES)) | {"api.port": port}
     if model:
         overrides["engine.model"] = model
     if transport:

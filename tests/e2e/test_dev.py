@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from mooncake.config import load_config
+
 
 @pytest.mark.real_model
 def test_mooncake_dev_answers_paris_and_stops_cleanly_on_sigterm(real_dir, tmp_path):
@@ -35,6 +37,9 @@ def test_mooncake_dev_answers_paris_and_stops_cleanly_on_sigterm(real_dir, tmp_p
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     assert {p.name for p in tmp_path.glob("*.toml")} == {"cache-0.toml", "conductor.toml", "prefill-0.toml",
                                                          "decode-0.toml"}
+    # Without --config, sizes fit one box: less KV per instance and less pool DRAM than the defaults.
+    written = load_config(tmp_path / "prefill-0.toml")
+    assert written.engine.kv_cache_bytes == 512 << 20 and written.store.dram_bytes == 512 << 20
 
 
 def test_mooncake_dev_exits_with_a_clear_error_when_its_port_is_taken(tmp_path):
