@@ -135,6 +135,9 @@ class ConductorConfig:
     token_timeout_s: float = 30.0  # longest wait for the next token of a decoding request; then it migrates
     request_deadline_s: float = 900.0  # admission to the last token, at most, whatever happens on the way
     migration_limit: int = 2  # times one request may move to other instances after a failure (0: never)
+    # OTLP/HTTP traces endpoint (e.g. http://127.0.0.1:4318/v1/traces): each request's timeline as spans.
+    # Empty: a log line per request only. Needs `pip install '.[otel]'`.
+    otlp_endpoint: str = ""
     # Seeds of the online models (refitted from measurements): prefill s = c0 + c1*n + c2*n^2 for n new
     # tokens; decode step s = a + b*batch + c*context tokens; KV bandwidth between holders.
     prefill_c0_s: float = 0.02
@@ -156,6 +159,8 @@ class ConductorConfig:
                     "decode_s_per_seq", "decode_s_per_context_token"):
             _check(getattr(self, key) >= 0, f"conductor.{key}", "must be >= 0")
         _check(self.migration_limit >= 0, "conductor.migration_limit", "must be >= 0")
+        _check(not self.otlp_endpoint or self.otlp_endpoint.startswith(("http://", "https://")),
+               "conductor.otlp_endpoint", "must be an http(s) URL like http://127.0.0.1:4318/v1/traces")
         _check(self.heartbeat_timeout_s > self.heartbeat_interval_s, "conductor.heartbeat_timeout_s",
                "must be longer than conductor.heartbeat_interval_s")
         _check("://" in self.control_address, "conductor.control_address",

@@ -56,6 +56,25 @@ class StreamEvent:
 
 
 @dataclass
+class Leg:
+    """Where one leg's time went, on the conductor's clock (prefill reports its own split)."""
+
+    wire_id: str
+    prefill_id: str
+    decode_id: str
+    reuse_blocks: int
+    placed_s: float
+    prefill_done_s: float | None = None
+    queue_s: float = 0.0  # prefill's receipt to hand-off, less its compute and pool reads
+    fetch_s: float = 0.0  # reading the prefix from the pool
+    compute_s: float = 0.0
+    kv_transfer_s: float = 0.0  # pushing KV to decode (overlaps compute)
+    first_decode_token_s: float | None = None
+    ended_s: float | None = None
+    failure: str = ""  # why the request left this leg, if it did
+
+
+@dataclass
 class Flight:
     """One request and its current leg, with the inbox its instances' reports land in."""
 
@@ -83,6 +102,8 @@ class Flight:
     ended: bool = False  # it reached its terminal state (Conductor._end)
     ttft_s: float = 0.0
     gaps_s: list[float] = field(default_factory=list)  # between consecutive token messages
+    legs: list[Leg] = field(default_factory=list)
+    token_times_s: list[float] = field(default_factory=list)  # when each token message came
 
     @property
     def num_completion_tokens(self) -> int:

@@ -17,12 +17,13 @@ from mooncake import messages as m
 from mooncake.conductor.control import ControlPlane
 from mooncake.conductor.decide import Decider, cluster_view
 from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
-from mooncake.conductor.flight import (Flight, LegFailed, Rejected, RequestError, StreamEvent, Unavailable,
+from mooncake.conductor.flight import (Flight, Leg, LegFailed, Rejected, RequestError, StreamEvent, Unavailable,
                                        wire_sampling)
 from mooncake.conductor.instances import Instance, InstanceRegistry
 from mooncake.conductor.metrics import ConductorMetrics
 from mooncake.conductor.policies import Estimators
 from mooncake.conductor.pool_watch import PoolWatcher
+from mooncake.conductor.timeline import Timelines
 from mooncake.conductor.prefix_index import PrefixIndex
 from mooncake.conductor.view import DecodeLoad, RequestView
 from mooncake.config import MooncakeConfig
@@ -58,6 +59,7 @@ class Conductor:
         self.control = ControlPlane(self.cfg, self.registry, self.index, self.estimators, self.metrics, clock,
                                     route=self._route, on_dead=self._on_dead)
         self.flights: dict[str, Flight] = {}  # by the wire id of their current leg
+        self.timelines = Timelines(self.cfg.otlp_endpoint, clock=clock)
         self.model = None
         self.tokenizer = None
         self.pool: PoolWatcher | None = None
@@ -98,6 +100,7 @@ class Conductor:
         if self.pool is not None:
             await self.pool.stop()
         await self.control.stop()
+        self.timelines.shutdown()
 
     def _kv_bytes_per_token(self) -> int:
         c = self.model.config
@@ -172,6 +175,7 @@ class Conductor:
         start = now + p.ttft_s
         flight.decode_load = DecodeLoad(start, start + remaining * max(p.tbt_s, 1e-3), len(tokens) + remaining)
         self.flights[flight.wire_id] = flight
+        flight.legs.append(Leg(flight.wire_id, p.prefill_id, p.decode_id, p.reuse_blocks, now))
         # NOTE: a request that ends with its first token never reaches decode, so it ships no KV there.
         ships_kv = remaining > 1
         self._hold(flight, p.prefill_id)
@@ -196,12 +200,15 @@ class Conductor:
                     token_ids, reason = self._on_prefill_done(flight, msg)
                 else:
                     token_ids, reason = msg.token_ids, msg.finish_reason
+                    if flight.legs[-1].first_decode_token_s is None:
+                        flight.legs[-1].first_decode_token_s = self.clock()
                     if reason is not None:
                         self._let_go(flight, flight.placement.decode_id, cancel=False)  # it freed the request
             except LegFailed as exc:
                 await self._migrate(flight, exc)
                 continue
             now = self.clock()
+            flight.token_times_s.append(now)
             if last is None:
                 flight.ttft_s = now - started
                 self.metrics.ttft.observe(flight.ttft_s)
@@ -250,6 +257,10 @@ class Conductor:
         p = flight.placement
         flight.in_prefill = False
         self._let_go(flight, p.prefill_id, cancel=False)  # it released the request itself
+        leg = flight.legs[-1]
+        leg.prefill_done_s, leg.fetch_s, leg.compute_s, leg.kv_transfer_s = (
+            self.clock(), done.fetch_seconds, done.compute_seconds, done.kv_seconds)
+        leg.queue_s = max(0.0, done.prefill_seconds - done.compute_seconds - done.fetch_seconds)
         n = len(flight.leg_token_ids)
         if flight.num_legs == 1:
             flight.num_cached_tokens = done.num_cached_tokens
@@ -259,7 +270,7 @@ class Conductor:
         self.metrics.kv_bytes.labels(p.prefill_id).inc(done.kv_bytes)
         self.metrics.kv_seconds.labels(p.prefill_id).inc(done.kv_seconds)
         self.metrics.fetch_bytes.labels(p.prefill_id).inc(done.fetched_bytes)
-        self.metrics.queue.observe(max(0.0, done.prefill_seconds - done.compute_seconds - done.fetch_seconds))
+        self.metrics.queue.observe(leg.queue_s)
         # NOTE: compute time, not receipt-to-hand-off: queueing is what T_queue adds on top.
         self.estimators.prefill_time.observe(n, done.num_cached_tokens, done.compute_seconds)
         if p.fetch_from and done.fetched_bytes:
@@ -288,7 +299,7 @@ class Conductor:
             self.metrics.migrations.labels("limit").inc()
             raise RequestError(f"{failure}; request {flight.request_id} failed (it moved {flight.num_migrations} "
                                f"times; conductor.migration_limit = {self.cfg.migration_limit})")
-        self._end_leg(flight)
+        self._end_leg(flight, failure=str(failure))
         # NOTE: a role that is being restarted comes back within seconds; wait for it as long as a token may take.
         give_up_s = min(flight.deadline_s, self.clock() + self.cfg.token_timeout_s)
         avoid = failure.suspects
@@ -310,9 +321,11 @@ class Conductor:
                     "(%d of the prompt's blocks reused)", flight.request_id, failure, p.prefill_id, p.decode_id,
                     len(flight.generated), p.reuse_blocks)
 
-    def _end_leg(self, flight: Flight) -> None:
+    def _end_leg(self, flight: Flight, failure: str = "") -> None:
         """Forget the current leg and tell whoever still holds it to free it."""
         self.flights.pop(flight.wire_id, None)
+        if flight.legs and flight.legs[-1].ended_s is None:
+            flight.legs[-1].ended_s, flight.legs[-1].failure = self.clock(), failure
         for instance_id in list(flight.holders):
             self._let_go(flight, instance_id, cancel=True)
         while not flight.inbox.empty():  # reports of the old leg
@@ -325,12 +338,7 @@ class Conductor:
         flight.ended = True
         self._end_leg(flight)
         self.metrics.requests.labels(outcome).inc()
-        p = flight.placement
-        # NOTE: one line per request, key=value, for log search (the request id is the one instances log).
-        log.info("request %s outcome=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft_s=%.3f "
-                 "e2e_s=%.3f legs=%d prefill=%s decode=%s", flight.request_id, outcome, len(flight.prompt_token_ids),
-                 flight.num_cached_tokens, len(flight.generated), flight.ttft_s, self.clock() - flight.admitted_s,
-                 flight.num_legs, p.prefill_id if p else "-", p.decode_id if p else "-")
+        self.timelines.record(flight, outcome, self.clock())
         if outcome == "ok":
             self.metrics.e2e.observe(self.clock() - flight.admitted_s)
             self.metrics.slo.labels(str(self._within_slo(flight)).lower()).inc()
