@@ -192,8 +192,13 @@ def test_a_client_that_goes_away_while_its_prefix_is_read_from_the_pool_leaves_n
     """Fetching: the prefix is only in the pool (its prefill holder is gone) and the cache node hangs, so
     the prefill instance waits on its read when the client leaves."""
     body = story(max_tokens=20)
+
+    def pooled():
+        return sum(cache_stats(cluster)["blocks"].values())
+    before_blocks = pooled()
     assert post(cluster.url + "/v1/completions", body)[0] == 200  # on prefill-0 and in the pool
-    time.sleep(0.6)
+    wait_for(lambda: pooled() >= before_blocks + 10, 10, "the prompt's blocks in the pool")  # written on the side
+    time.sleep(0.6)  # and announced to the conductor's index
     cancelled = 'mooncake_requests_total{outcome="cancelled"}'
     before = metrics(cluster.url).get(cancelled, 0.0)
     cluster.kill("prefill-0", signal.SIGKILL)
@@ -207,7 +212,8 @@ def test_a_client_that_goes_away_while_its_prefix_is_read_from_the_pool_leaves_n
                          b"Content-Length: %d\r\n\r\n" % len(data) + data)
             wait_for(lambda: holders(cluster, "prefill") == ["prefill-1"], 10, "the request on prefill-1")
             time.sleep(0.3)
-        wait_for(lambda: metrics(cluster.url).get(cancelled, 0.0) == before + 1, 5, "the request cancelled")
+        log = (cluster.workdir / "conductor.log").read_text().splitlines()[-5:]
+        wait_for(lambda: metrics(cluster.url).get(cancelled, 0.0) == before + 1, 5, f"the request cancelled: {log}")
     finally:
         cluster.kill("cache-0", signal.SIGCONT)
         cluster.spawn(cluster.process("prefill-0"))
