@@ -2,6 +2,7 @@
 tiny model, small blocks and chunks so short prompts span several of each."""
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -52,3 +53,12 @@ def metrics(url: str) -> dict[str, float]:
             series, value = line.rsplit(" ", 1)
             out[series] = float(value)
     return out
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.05)

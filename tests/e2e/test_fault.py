@@ -14,7 +14,7 @@ import zmq
 
 from mooncake import messages as m
 from mooncake import security
-from tests.e2e.conftest import E2E_SETTINGS, make_cluster, metrics, post
+from tests.e2e.conftest import E2E_SETTINGS, make_cluster, metrics, post, wait_for
 
 TOKEN_TIMEOUT_S = 3.0
 
@@ -36,15 +36,6 @@ def cache_stats(cluster) -> dict:
         return m.decode(sock.recv()).stats
     finally:
         sock.close(linger=0)
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_request_everywhere(cluster):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import make_cluster, metrics, post
+from tests.e2e.conftest import make_cluster, metrics, post, wait_for
 
 BLOCK = 16
 NUM_BLOCKS = 12
@@ -20,13 +20,6 @@ def cluster(tiny_dir, tmp_path_factory):
     with make_cluster(tmp_path_factory, "tcp", **{"store.dram_bytes": 64 << 10, "store.ssd_dir": str(ssd),
                                                    "store.ssd_bytes": 64 << 20}) as c:
         yield c
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.1)
 
 
 def test_a_restarted_cache_nodes_ssd_blocks_are_reused_through_placement(cluster):
