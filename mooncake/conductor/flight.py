@@ -98,7 +98,6 @@ class Flight:
     generated: list[int] = field(default_factory=list)  # every token streamed so far
     num_cached_tokens: int = 0
     num_legs: int = 0
-    finished: bool = False  # its last token is out
     ended: bool = False  # it reached its terminal state (Conductor._end)
     ttft_s: float = 0.0
     gaps_s: list[float] = field(default_factory=list)  # between consecutive token messages

@@ -288,8 +288,6 @@ class Conductor:
         text = detok.add(token_ids, final=finish_reason is not None)
         if detok.stopped:
             finish_reason = "stop"
-        if finish_reason is not None:
-            flight.finished = True
         return StreamEvent(text, token_ids, finish_reason)
 
     async def _migrate(self, flight: Flight, failure: LegFailed) -> None:
