@@ -11,10 +11,11 @@ import socket
 import threading
 import time
 import urllib.request
+import uuid
 
 import pytest
 
-from tests.e2e.conftest import make_cluster, metrics, post
+from tests.e2e.conftest import make_cluster, metrics, post, wait_for
 from tests.e2e.test_fault import cache_stats
 
 CACHE_TIMEOUT_S = 20.0
@@ -26,15 +27,6 @@ def cluster(tiny_dir, tmp_path_factory):
     with make_cluster(tmp_path_factory, "tcp", num_prefill=2, num_decode=2,
                       **{"cache_client.timeout_s": CACHE_TIMEOUT_S}) as c:
         yield c
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
 class Stream:
@@ -95,8 +87,9 @@ def migrations(cluster) -> float:
 
 def story(max_tokens: int = 1500) -> dict:
     words = " ".join(random.choice(["moon", "cake", "tide", "lamp", "river", "stone"]) for _ in range(40))
-    return {"model": "tiny", "prompt": f"A story of {words}:", "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0}
+    # NOTE: a unique start: no instance caches any of it, so an idle cluster places it on prefill-0 (ties by id).
+    return {"model": "tiny", "prompt": f"{uuid.uuid4().hex}: a story of {words}:", "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0}
 
 
 def undisturbed(cluster, body: dict) -> list[int]:
@@ -196,7 +189,10 @@ def test_a_client_that_goes_away_while_its_prefix_is_read_from_the_pool_leaves_n
     def pooled():
         return sum(cache_stats(cluster)["blocks"].values())
     before_blocks = pooled()
+    computed = 'mooncake_prefill_computed_tokens_total{instance="prefill-0"}'
+    computed_before = metrics(cluster.url).get(computed, 0.0)
     assert post(cluster.url + "/v1/completions", body)[0] == 200  # on prefill-0 and in the pool
+    assert metrics(cluster.url).get(computed, 0.0) > computed_before, "the prompt was not computed on prefill-0"
     wait_for(lambda: pooled() >= before_blocks + 10, 10, "the prompt's blocks in the pool")  # written on the side
     time.sleep(0.6)  # and announced to the conductor's index
     cancelled = 'mooncake_requests_total{outcome="cancelled"}'
