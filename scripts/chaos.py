@@ -47,7 +47,7 @@ from mooncake import messages as m  # noqa: E402
 from mooncake import security  # noqa: E402
 from mooncake.config import load_config  # noqa: E402
 from mooncake.dev import DevCluster  # noqa: E402
-from mooncake.sim.trace import load_trace  # noqa: E402
+from mooncake.sim.trace import TraceRequest, load_trace  # noqa: E402
 
 FAULTS = ("kill", "stop", "term")
 GRACE_S = 15.0  # past a request's deadline before it counts as hung; also the drain's settle time
@@ -65,6 +65,18 @@ def prompt_of(hash_ids, block: int, max_input: int) -> list[int]:
         if len(tokens) >= max_input:
             break
     return tokens[:max_input] or block_tokens(-1, 4)
+
+
+def synthetic_trace(rng: random.Random, n: int = 4096) -> list[TraceRequest]:
+    """Requests shaped like a conversation trace without one: a shared first block, then turns of a few
+    dozen conversations that grow their own prefixes."""
+    requests = []
+    for i in range(n):
+        conversation = rng.randrange(48)
+        turns = rng.randint(1, 10)
+        hash_ids = (0,) + tuple(1000 * (conversation + 1) + t for t in range(turns))
+        requests.append(TraceRequest(i, 512 * len(hash_ids), rng.randint(8, 512), hash_ids))
+    return requests
 
 
 class Client:
@@ -243,7 +255,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load and faults")
     parser.add_argument("--json", type=Path, default=Path("bench-results/chaos.json"))
-    parser.add_argument("--trace", type=Path, default=ROOT.parent / "shared/traces/conversation_trace.jsonl")
+    parser.add_argument("--trace", type=Path, default=ROOT.parent / "shared/traces/conversation_trace.jsonl",
+                        help="a Mooncake trace (default: the shared one beside the checkout; synthetic if absent)")
     parser.add_argument("--prefill", type=int, default=2)
     parser.add_argument("--decode", type=int, default=3)
     parser.add_argument("--cache", type=int, default=2)
@@ -268,7 +281,9 @@ def main() -> None:
         "conductor.heartbeat_timeout_s": 1.5, "conductor.token_timeout_s": 10.0,
         "conductor.prefill_timeout_s": 60.0, "conductor.request_deadline_s": deadline_s,
         "conductor.migration_limit": 3, "cache_client.timeout_s": 2.0})
-    trace = load_trace(args.trace)
+    trace = load_trace(args.trace) if args.trace.exists() else synthetic_trace(rng)
+    if not args.trace.exists():
+        print(f"no trace at {args.trace}: replaying synthetic requests (shared prefixes, mixed lengths)")
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
     print(f"chaos: {args.prefill}P {args.decode}D {args.cache} cache nodes, {args.model} over {args.transport}; "
           f"{args.rate:g} req/s for {args.duration:g} s, a fault every {args.interval:g} s; logs in {workdir}",
