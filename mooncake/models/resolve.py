@@ -54,9 +54,16 @@ def resolve_model(name_or_path: str, fetch: bool = True) -> ModelSpec:
     return ModelSpec(path=path, model_id=f"{path.name}-{_fingerprint(config_file, weights)}", config=config)
 
 
+# config.json keys that say who wrote the file, not what the model is
+UNFINGERPRINTED_KEYS = ("transformers_version", "_name_or_path")
+
+
 def _fingerprint(config_file: Path, weights: list[Path]) -> str:
+    # NOTE: the same weights converted by another transformers version must get the same id, or instances
+    # on hosts with different versions are refused by the conductor and share no KV.
+    config = {k: v for k, v in json.loads(config_file.read_text()).items() if k not in UNFINGERPRINTED_KEYS}
     h = xxhash.xxh3_64()
-    h.update(config_file.read_bytes())
+    h.update(json.dumps(config, sort_keys=True).encode())
     for file in weights:
         with open(file, "rb") as f:
             while chunk := f.read(FINGERPRINT_CHUNK_BYTES):

