@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from mooncake import security  # noqa: E402
 from mooncake.config import CacheClientConfig, load_config  # noqa: E402
+from mooncake.transfer.contract import BlockService  # noqa: E402
 from mooncake.registry import load_backend  # noqa: E402
 from mooncake.runtime import tune_allocator  # noqa: E402
 
@@ -38,7 +39,7 @@ MiB = 1 << 20
 MODEL_BLOCK = 30 * 2 * 64 * 3 * 64 * 4
 
 
-class Sink:
+class Sink(BlockService):
     """The peer's BlockService in this benchmark: keeps the last bytes per key, as the decode inbox does.
     Like the inbox it says `keeps_blocks`, so each transport hands it bytes it may hold: a tcp receiver
     its ZeroMQ frames as they are; shm and mooncake a copy out of their reused buffers, hashed as it is
@@ -49,7 +50,7 @@ class Sink:
     def __init__(self):
         self.blocks = {}
 
-    def put_block(self, key, data):
+    def put_block(self, key, data, checksum=None):
         self.blocks[key] = data
 
     def get_block(self, key):

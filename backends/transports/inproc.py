@@ -42,9 +42,9 @@ class InprocTransport(Transport):
         endpoint = self._peer(peer, request_id)
         keys, sizes, sums, frames = block_frames(blocks, self.tamper)
         results = []
-        for block in verify_blocks(keys, sums, [bytes(f) for f in frames]):
+        for block, digest in zip(verify_blocks(keys, sums, [bytes(f) for f in frames]), sums):
             if block.ok:
-                block = BlockResult(block.key, error=endpoint.service.put_block(block.key, block.data))
+                block = BlockResult(block.key, error=endpoint.service.put_block(block.key, block.data, digest))
             results.append(BlockResult(block.key, error=block.error))
         return TransferResult(peer, request_id, results, sum(sizes), time.perf_counter() - start)
 

@@ -167,9 +167,9 @@ class ShmTransport(StagedTransport):
     # -- write windows: the server side --------------------------------------------------------------
 
     async def start(self, service=None, address=None) -> str:
-        if getattr(service, "open_window", None) is not None:  # a cache node: its DRAM tier lends windows
+        if service is not None and service.lends_windows:  # a cache node: its DRAM tier lends windows
             self._lender = service
-        elif getattr(service, "keeps_blocks", False):  # the decode inbox: this segment lends them
+        elif service is not None and service.keeps_blocks:  # the decode inbox: this segment lends them
             self._lender = _OwnSegment(self, service)
         return await super().start(service, address)
 

@@ -143,22 +143,19 @@ class TcpTransport(Transport):
                 if len(blocks) != len(header["keys"]):
                     raise ValueError(f"{len(header['keys'])} keys but {len(blocks)} blocks of data")
                 digests = None
-                if getattr(self.service, "keeps_blocks", False):  # it keeps what it gets: hand it its own
+                if self.service.keeps_blocks:  # it keeps what it gets: hand it its own
                     blocks, digests = self._kept(blocks)
-                with_sum = getattr(self.service, "accepts_checksum", False)
                 errors = []
                 verified = verify_blocks(header["keys"], header["sums"], blocks, digests)
                 for block, digest in zip(verified, header["sums"]):
                     if not block.ok:
                         errors.append(block.error)
                     else:
-                        errors.append(self.service.put_block(block.key, block.data, digest) if with_sum
-                                      else self.service.put_block(block.key, block.data))
+                        errors.append(self.service.put_block(block.key, block.data, digest))
                 num_bytes = sum(len(b) for b in blocks)
             return num_bytes, [pack_header("put-reply", request_id, errors=errors)]
-        locate = getattr(self.service, "locate_block", None)
-        if locate is not None:
-            located = [(k, loc) for k in header["keys"] if (loc := locate(k)) is not None]
+        if self.service.locates_blocks:
+            located = [(k, loc) for k in header["keys"] if (loc := self.service.locate_block(k)) is not None]
             fields, frames_out = self._outgoing_located(located, request_id)
             num_bytes = sum(len(memoryview(loc.data).cast("B")) for _, loc in located)
         else:

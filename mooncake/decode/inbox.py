@@ -9,12 +9,14 @@ migration, may push and claim the same block) but expires after ORPHAN_TTL_S ins
 
 import time
 
+from mooncake.transfer.contract import BlockService
+
 ORPHAN_TTL_S = 3.0  # an uncounted copy (of a cancelled request, landed late) waits this long for a claim
 RELEASED_S = 10.0  # how long a release waits for a copy still on its way
 
 
-class KVInbox:
-    keeps_blocks = True  # transports hand over block bytes it may hold (mooncake/transfer/contract.py)
+class KVInbox(BlockService):
+    keeps_blocks = True  # transports hand over block bytes it may hold
 
     def __init__(self, ttl_s: float, max_bytes: int = 1 << 30):
         self.ttl_s = ttl_s
@@ -26,7 +28,7 @@ class KVInbox:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def put_block(self, key: int, data) -> str | None:
+    def put_block(self, key: int, data, checksum: int | None = None) -> str | None:
         now = time.monotonic()
         counted = not self._take_release(key, now)
         entry = self._blocks.get(key)

@@ -14,7 +14,6 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import xxhash
 import zmq
 import zmq.asyncio
@@ -24,7 +23,7 @@ from mooncake import messages as m
 from mooncake import security
 from mooncake.config import CacheClientConfig
 from mooncake.registry import load_backend
-from mooncake.transfer.contract import TransferError, Transport
+from mooncake.transfer.contract import TransferError, Transport, owned_bytes
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +205,7 @@ class CacheClient:
         except TransferError as exc:
             self._down(node, str(exc))
             return {}
-        return {b.key: (_owned(b.data) if b.ok else None) for b in result.blocks}
+        return {b.key: (owned_bytes(b.data) if b.ok else None) for b in result.blocks}
 
     async def match_prefix(self, keys: list[int]) -> int:
         """How many leading `keys` the live nodes hold between them."""
@@ -246,17 +245,3 @@ async def _all(calls: list) -> list:
     if len(calls) == 1:
         return [await calls[0]]
     return await asyncio.gather(*calls)
-
-
-def _owned(data) -> bytes | memoryview:
-    """Fetched bytes the caller may keep: as they are when the transport already made them a private
-    copy (shm and mooncake: a bytes object, or all of a numpy array it allocated), else a copy (of a view
-    into a ZeroMQ frame, say)."""
-    if isinstance(data, bytes):
-        return data
-    whole = data.obj if isinstance(data, memoryview) else None
-    if isinstance(whole, bytes) and len(whole) == data.nbytes:
-        return whole
-    if isinstance(whole, np.ndarray) and whole.base is None and whole.nbytes == data.nbytes:
-        return data
-    return bytes(data)

@@ -18,20 +18,21 @@ from mooncake.errors import CapacityError, MooncakeError
 from mooncake.addresses import advertise_host, advertised
 from mooncake.runtime import Supervisor
 from mooncake.store.store import KVStore
-from mooncake.transfer.contract import BlockLocation, make_transport
+from mooncake.transfer.contract import BlockLocation, BlockService, make_transport
 from mooncake.transfer.windows import WriteWindows
 
 log = logging.getLogger(__name__)
 
 
-class StoreService:
+class StoreService(BlockService):
     """Adapts the store to the transports' BlockService: capacity errors become per-block errors, and a
     block being sent is pinned by a short lease instead of copied. It also takes the checksum the
     transport verified on a put and hands it back on a read (`locate_block`), so a block is hashed once
     on its way in and never again by this node; with a shared DRAM tier, it says where the block lies
     so a same-host reader copies it straight out of the store."""
 
-    accepts_checksum = True
+    locates_blocks = True
+    lends_windows = True
 
     def __init__(self, store: KVStore, read_lease_s: float):
         self.store = store
@@ -43,7 +44,7 @@ class StoreService:
     def open_window(self, want: int, need: int) -> tuple[int, str, int, int, float] | None:
         """(window id, shared DRAM file, offset, size, idle seconds before it is taken back), or None if
         this store cannot lend one now."""
-        path = getattr(self.store.tiers[0], "path", None)
+        path = self.store.tiers[0].path
         opened = self.windows.open(want, need) if path is not None else None
         return None if opened is None else (opened[0], path, opened[1], opened[2], self.windows.ttl_s)
 
@@ -178,7 +179,7 @@ class CacheServer:
                 "write_windows": {"open": len(self.service.windows), "lent_bytes": self.service.windows.lent_bytes()},
                 "capacity_bytes": {t.name: t.capacity_bytes for t in self.store.tiers},
                 "transfers": {op: {**v, "gbytes_per_s": v["bytes"] / v["seconds"] / 1e9 if v["seconds"] else 0.0}
-                              for op, v in getattr(self.transport, "served", {}).items()}}
+                              for op, v in self.transport.served.items()}}
 
     async def _publish_events(self) -> None:
         while True:

@@ -110,7 +110,7 @@ class KVStore:
         """Offset of `size` bytes of the DRAM tier set aside for a writer, evicting unleased blocks to
         make room; None if the tier cannot write in place or cannot make room."""
         top = self.tiers[0]
-        if getattr(top, "path", None) is None or size > top.capacity_bytes:
+        if top.path is None or size > top.capacity_bytes:
             return None
         self._expire_leases()
         policy = self.policies[top.name]
@@ -128,7 +128,7 @@ class KVStore:
     def lendable_bytes(self) -> int:
         """DRAM a writer may be lent ranges of (mooncake/transfer/windows.py): all of a shared tier."""
         top = self.tiers[0]
-        return top.capacity_bytes if getattr(top, "path", None) is not None else 0
+        return top.capacity_bytes if top.path is not None else 0
 
     def adopt(self, key: int, offset: int, size: int, checksum: int, position: int = 0) -> None:
         """Make a reserved range, written and verified, block `key` of the DRAM tier. If the key is
@@ -217,9 +217,7 @@ class KVStore:
 
     def dram_location(self, key: int) -> tuple[str, int, int] | None:
         """(shared-memory file, offset, size) of a block in a shared DRAM tier, else None."""
-        top = self.tiers[0]
-        locate = getattr(top, "location", None)
-        return locate(key) if locate is not None else None
+        return self.tiers[0].location(key)
 
     def num_leased(self) -> int:
         """Blocks some live lease pins (expired leases are let go first)."""

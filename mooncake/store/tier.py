@@ -12,6 +12,11 @@ class StorageTier(ABC):
     name: str
     capacity_bytes: int
 
+    path: str | None = None
+    """The shared-memory file that holds the tier's bytes, when it is one: same-host peers then read
+    blocks where they lie (`location`) and write new ones in place (`reserve`, `view_of`, `adopt`; the
+    DRAM tier in shared mode). None: the tier offers neither."""
+
     @property
     @abstractmethod
     def used_bytes(self) -> int: ...
@@ -36,6 +41,10 @@ class StorageTier(ABC):
 
     def __contains__(self, key: int) -> bool:
         return self.size_of(key) is not None
+
+    def location(self, key: int) -> tuple[str, int, int] | None:
+        """With a `path`: (that file, offset, size) of a held block, else None."""
+        return None
 
     def close(self) -> None:
         """Release resources (files, memory); the default has none."""

@@ -8,8 +8,11 @@ in `mooncake.registry`): `backends/transports/inproc.py` (tests), `tcp.py` (Zero
 import itertools
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from types import MappingProxyType
+
+import numpy as np
 
 from mooncake.errors import MooncakeError
 
@@ -18,22 +21,47 @@ class TransferError(MooncakeError):
     """A whole transfer failed (dead peer, deadline passed); the message names the peer and request."""
 
 
-class BlockService(Protocol):
-    """What a serving endpoint exposes: the cache role adapts its KVStore to this."""
+class BlockService(ABC):
+    """What a serving endpoint exposes: the cache role's store (`store/server.py:StoreService`) and the
+    decode inbox (`decode/inbox.py`). Optional capabilities are declared here as class attributes that a
+    service turns on; transports read them, and call the methods they enable, instead of probing."""
 
-    def put_block(self, key: int, data: memoryview) -> str | None:
-        """Store a verified block; None on success, else a one-line reason."""
+    keeps_blocks: bool = False
+    """True: `put_block`'s data stays valid for as long as the service holds it (a transport copies out of
+    its reused buffers first, hashing as it copies), so the service keeps it uncopied. False: data may be
+    a view valid only during the call."""
 
+    locates_blocks: bool = False
+    """True: a fetch is served by `locate_block` (the bytes, their known checksum and where they lie in
+    shared memory) instead of `get_block` and a fresh hash."""
+
+    lends_windows: bool = False
+    """True: the service lends ranges of its shared memory to same-host writers, who put blocks by writing
+    them in place (`open_window`, `commit_window`, `close_window`; mooncake/transfer/windows.py)."""
+
+    @abstractmethod
+    def put_block(self, key: int, data: memoryview, checksum: int | None = None) -> str | None:
+        """Store a verified block; None on success, else a one-line reason. `checksum` is the one the
+        transport verified, for a service that keeps it (so the block is never hashed again)."""
+
+    @abstractmethod
     def get_block(self, key: int) -> bytes | memoryview | None:
         """The block's bytes, or None if absent."""
 
-    # Optional, for services that know more (the cache role's store):
-    #   accepts_checksum = True  -> put_block(key, data, checksum) gets the checksum the transport verified
-    #   locate_block(key) -> BlockLocation | None, used instead of get_block when present
-    # and for services that hold blocks as they are (the decode inbox):
-    #   keeps_blocks = True  -> put_block's data stays valid for as long as the service holds it (the
-    #   transport copies out of its reused buffers first, hashing as it copies), so it keeps it uncopied;
-    #   otherwise data may be a view valid only during the call
+    def locate_block(self, key: int) -> "BlockLocation | None":
+        """With `locates_blocks`: the block as it lies, or None if absent."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare locates_blocks")
+
+    def open_window(self, want: int, need: int) -> tuple[int, str, int, int, float] | None:
+        """With `lends_windows`: (window id, shared file, offset, size, idle seconds before it is taken
+        back), or None if it cannot lend one now."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare lends_windows")
+
+    def commit_window(self, window_id: int, blocks: list[tuple[int, int, int, int]]) -> list[str | None]:
+        raise NotImplementedError(f"{type(self).__name__} does not declare lends_windows")
+
+    def close_window(self, window_id: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not declare lends_windows")
 
 
 @dataclass(frozen=True)
@@ -79,6 +107,10 @@ class Transport(ABC):
     """One process's endpoint. Every wait is bounded by the caller's `timeout_s`."""
 
     name: str
+
+    served: Mapping[str, dict] = MappingProxyType({})
+    """What it served to peers, per op ("put", "get"): requests, bytes, seconds. Backends that serve
+    over a wire (tcp and those built on it) count them; the cache role reports them in its stats."""
 
     @classmethod
     def from_config(cls, config, host: str) -> "Transport":
@@ -135,3 +167,17 @@ def make_transport(name: str, config) -> Transport:
     from mooncake.addresses import advertise_host
     from mooncake.registry import load_backend
     return load_backend("transports", name).from_config(config.transport, advertise_host(config))
+
+
+def owned_bytes(data) -> bytes | memoryview:
+    """Fetched bytes (a `BlockResult.data`) the caller may keep: as they are when the transport already
+    made them a private copy (shm and mooncake: a bytes object, or all of a numpy array it allocated),
+    else a copy (of a view into a ZeroMQ frame, say)."""
+    if isinstance(data, bytes):
+        return data
+    whole = data.obj if isinstance(data, memoryview) else None
+    if isinstance(whole, bytes) and len(whole) == data.nbytes:
+        return whole
+    if isinstance(whole, np.ndarray) and whole.base is None and whole.nbytes == data.nbytes:
+        return data
+    return bytes(data)

@@ -12,7 +12,8 @@ import zmq
 import zmq.asyncio
 
 from mooncake.registry import load_backend
-from mooncake.transfer.contract import TransferError
+from mooncake.hashing import checksum
+from mooncake.transfer.contract import BlockService, TransferError
 from mooncake.transfer.framing import WIRE_VERSION
 from tests.transfer.conftest import KeepingService
 
@@ -33,12 +34,15 @@ def available(name):
         pytest.skip(str(exc))
 
 
-class DictService:
-    def __init__(self):
-        self.blocks = {}
+class DictService(BlockService):
+    """Declares no optional capability; records the checksum each put was handed."""
 
-    def put_block(self, key, data):
+    def __init__(self):
+        self.blocks, self.sums = {}, {}
+
+    def put_block(self, key, data, checksum=None):
         self.blocks.setdefault(key, bytes(data))
+        self.sums[key] = checksum
         return None
 
     def get_block(self, key):
@@ -79,6 +83,7 @@ def test_random_payloads_round_trip_bit_exact(name):
             sent = await client.send(address, blocks, timeout_s=10)
             assert sent.ok and sent.num_bytes == sum(len(d) for _, d in blocks) and sent.seconds > 0
             assert all(service.blocks[k] == d for k, d in blocks)
+            assert all(service.sums[k] == checksum(d) for k, d in blocks)  # the sum it verified, handed on
             got = await client.fetch(address, [k for k, _ in blocks] + [99], timeout_s=10)
             assert [bytes(b.data) for b in got.blocks[:-1]] == [d for _, d in blocks]
             assert got.blocks[-1].error == "not found" and got.blocks[-1].data is None
