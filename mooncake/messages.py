@@ -12,8 +12,9 @@ from typing import Any, ClassVar, Union
 import msgspec
 
 from mooncake.errors import MooncakeError
+from mooncake.sampling import TokenLogprob
 
-VERSION = 1
+VERSION = 2  # 2: logprobs on PrefillDone and Tokens
 _TYPES: dict[str, type] = {}
 
 
@@ -198,6 +199,7 @@ class PrefillDone(Message, tag="prefill_done"):
     compute_seconds: float  # engine steps that computed this request's prompt
     fetched_bytes: int = 0  # read from the cache pool for reuse
     fetch_seconds: float = 0.0
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 class Decode(Message, tag="decode"):
@@ -215,6 +217,7 @@ class Tokens(Message, tag="tokens"):
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
 
 class Cancel(Message, tag="cancel"):

@@ -4,6 +4,7 @@ torch: the conductor and its API stay a small process (no model runs there). Pre
 transformers' tokenizer. tests/test_tokenizer.py holds the two to the same ids, text and prompts."""
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -35,6 +36,8 @@ class LightTokenizer:
             template = (path / "chat_template.jinja").read_text()
         self.chat_template: str | None = template
         self._compiled = None
+        decoder = json.loads(self._tokenizer.to_str()).get("decoder") or {}
+        self._byte_level = decoder.get("type") == "ByteLevel"
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
         return {"input_ids": self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids}
@@ -42,6 +45,19 @@ class LightTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return _clean_up(text) if self.clean_up_tokenization_spaces else text
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes one token stands for, which may be part of a UTF-8 character: a byte-level BPE
+        token's bytes, a `<0xNN>` byte token's byte, else its text. None for an id the tokenizer lacks
+        (a model's vocabulary may be larger than its tokenizer's)."""
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return None
+        if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        if match := _BYTE_TOKEN.fullmatch(piece):
+            return bytes([int(match[1], 16)])
+        return self.decode([token_id]).encode()
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
                             add_generation_prompt: bool = False) -> str:
@@ -54,6 +70,18 @@ class LightTokenizer:
             self._compiled = _environment().from_string(self.chat_template)
         return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
                                      documents=None, **self.special_tokens)
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: every byte as a printable character (the byte itself where it is
+    printable, else one from 256 up)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = (b for b in range(256) if b not in printable)
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _content(token) -> str:

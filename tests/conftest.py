@@ -43,6 +43,13 @@ class HFReference:
                                   eos_token_id=None, pad_token_id=0)
         return out[0, len(prompt_ids):].tolist()
 
+    @torch.inference_mode()
+    def logprobs(self, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+        """[len(output_ids), vocab]: the log-distribution each output token was drawn from."""
+        ids = torch.tensor([prompt_ids + output_ids])
+        logits = self.model(ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)[len(prompt_ids) - 1:-1]
+
 
 _references: dict = {}
 

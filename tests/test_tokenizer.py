@@ -46,6 +46,17 @@ def test_decoding_any_ids_special_ones_included_matches(pair, ids):
 
 
 @SETTINGS
+@given(text=TEXT)
+def test_token_bytes_spell_the_text_even_where_a_token_splits_a_character(pair, text):
+    """What logprobs show per token: their bytes, concatenated, are the decoded text's UTF-8 (bytes the
+    vocabulary lacks are lost on the way in, and decode as U+FFFD)."""
+    light, _ = pair
+    ids = light(text, add_special_tokens=False)["input_ids"]
+    assert b"".join(light.token_bytes(i) for i in ids).decode(errors="replace") == light.decode(ids)
+    assert light.token_bytes(10 ** 9) is None  # an id past the tokenizer's vocabulary
+
+
+@SETTINGS
 @given(messages=MESSAGES)
 def test_the_same_chat_prompts_as_transformers(pair, messages):
     light, hf = pair

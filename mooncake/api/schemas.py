@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import jinja2
 
-from mooncake.sampling import SamplingParams
+from mooncake.sampling import MAX_LOGPROBS, SamplingParams
 from mooncake.errors import InvalidRequestError, MooncakeError
 from mooncake.text import encode_chat
 
@@ -125,14 +125,34 @@ def _stop_token_ids(body: dict, limits: ModelLimits) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _logprobs_count(body: dict, name: str) -> int:
+    count = _field(body, name, (int,))
+    if not 0 <= count <= MAX_LOGPROBS:
+        raise bad(f"'{name}' must be between 0 and {MAX_LOGPROBS}, got {count}", name, "invalid_value")
+    return count
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """Completions' `logprobs`: how many likeliest tokens to list beside each chosen one (absent: none)."""
+    return None if body.get("logprobs") is None else _logprobs_count(body, "logprobs")
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs` (true: each token's) and `top_logprobs` (how many likeliest beside it)."""
+    if not _field(body, "logprobs", (bool,), False):
+        if body.get("top_logprobs") is not None:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+        return None
+    return 0 if body.get("top_logprobs") is None else _logprobs_count(body, "top_logprobs")
+
+
 def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_key: str,
-            default_max_tokens: int) -> ParsedRequest:
+            default_max_tokens: int, logprobs: int | None) -> ParsedRequest:
     model = check_model(_field(body, "model", (str,)), limits)
     n = _field(body, "n", (int,), 1)
     if not 1 <= n <= MAX_CHOICES:
         raise bad(f"'n' must be between 1 and {MAX_CHOICES}, got {n}", "n", "invalid_value")
-    for name, allowed in (("best_of", (1, n)), ("echo", (False,)), ("logprobs", (None, False)),
-                          ("top_logprobs", (None,)), ("presence_penalty", (0, 0.0)),
+    for name, allowed in (("best_of", (1, n)), ("echo", (False,)), ("presence_penalty", (0, 0.0)),
                           ("frequency_penalty", (0, 0.0)), ("logit_bias", (None, {})), ("suffix", (None,))):
         _refuse(body, name, allowed)
     num_prompt = len(prompt_ids)
@@ -161,7 +181,7 @@ def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_k
             top_p=float(_field(body, "top_p", (int, float), 1.0)), top_k=_field(body, "top_k", (int,), 0),
             seed=_field(body, "seed", (int,), None), stop=_stop(body),
             stop_token_ids=_stop_token_ids(body, limits),
-            ignore_eos=_field(body, "ignore_eos", (bool,), False))
+            ignore_eos=_field(body, "ignore_eos", (bool,), False), logprobs=logprobs)
     except InvalidRequestError as exc:
         raise bad(str(exc)) from None
     if params.temperature > 2:
@@ -183,7 +203,7 @@ def parse_completion(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
             raise bad("'prompt' must be a string, a list with one string, or a list of token ids "
                       "(batches of prompts are not supported)", "prompt", "invalid_type")
     ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
-    return _common(body, limits, ids, "max_tokens", 16)
+    return _common(body, limits, ids, "max_tokens", 16, _completion_logprobs(body))
 
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -193,7 +213,7 @@ def parse_chat(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     ids = chat_prompt_ids(body, tokenizer)
-    return _common(body, limits, ids, "max_completion_tokens", limits.default_max_tokens)
+    return _common(body, limits, ids, "max_completion_tokens", limits.default_max_tokens, _chat_logprobs(body))
 
 
 def chat_prompt_ids(body: dict, tokenizer) -> list[int]:

@@ -151,14 +151,17 @@ class ApiServer:
 
     async def _answer(self, request, body, parsed, flights: list, chat: bool):
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        shape = Shape(chat, response_id, int(time.time()), parsed.model, body.get("return_token_ids") is True)
+        shape = Shape(chat, response_id, int(time.time()), parsed.model, body.get("return_token_ids") is True,
+                      self.conductor.tokenizer)
         if parsed.stream:
             return await self._stream(request, flights, shape, parsed.include_usage)
-        outs = [("", [], None)] * len(flights)
+        asked = parsed.params.logprobs is not None
+        outs = [("", [], None, [] if asked else None)] * len(flights)
 
         async def add(i, event):
-            text, token_ids, _ = outs[i]
-            outs[i] = (text + event.text, token_ids + event.token_ids, event.finish_reason)
+            text, token_ids, _, logprobs = outs[i]
+            outs[i] = (text + event.text, token_ids + event.token_ids, event.finish_reason,
+                       logprobs + (event.logprobs or []) if asked else None)
         try:
             await self._relay(flights, add)
         except RequestError as exc:
@@ -205,7 +208,8 @@ class ApiServer:
         await response.prepare(request)
 
         async def send(i, event):
-            await _send(response, shape.chunk(i, event.text, event.token_ids, event.finish_reason))
+            await _send(response, shape.chunk(i, event.text, event.token_ids, event.finish_reason,
+                                              logprobs=event.logprobs))
         try:
             if shape.chat:
                 for i in range(len(flights)):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from mooncake.conductor.view import DecodeLoad, Placement
 from mooncake.errors import MooncakeError
-from mooncake.sampling import SamplingParams
+from mooncake.sampling import SamplingParams, TokenLogprob
 
 
 class Unavailable(MooncakeError):
@@ -53,6 +53,7 @@ class StreamEvent:
     text: str  # new text since the last event
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
 
 @dataclass
@@ -121,5 +122,6 @@ class Flight:
 def wire_sampling(params: SamplingParams, max_tokens: int | None = None) -> dict:
     """The sampling fields instances need; stop strings stay here (the conductor matches them on text)."""
     wire = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-            "seed": params.seed, "ignore_eos": params.ignore_eos, "stop_token_ids": list(params.stop_token_ids)}
+            "seed": params.seed, "ignore_eos": params.ignore_eos, "stop_token_ids": list(params.stop_token_ids),
+            "logprobs": params.logprobs}
     return wire if max_tokens is None else {**wire, "max_tokens": max_tokens}

@@ -198,8 +198,9 @@ class Conductor:
                 msg = await self._next(flight)
                 if isinstance(msg, m.PrefillDone):
                     token_ids, reason = self._on_prefill_done(flight, msg)
+                    logprobs = None if msg.first_logprob is None else [msg.first_logprob]
                 else:
-                    token_ids, reason = msg.token_ids, msg.finish_reason
+                    token_ids, reason, logprobs = msg.token_ids, msg.finish_reason, msg.logprobs
                     if flight.legs[-1].first_decode_token_s is None:
                         flight.legs[-1].first_decode_token_s = self.clock()
                     if reason is not None:
@@ -216,7 +217,7 @@ class Conductor:
                 self.metrics.tbt.observe(now - last)
                 flight.gaps_s.append(now - last)
             last = now
-            event = self._event(flight, detok, token_ids, reason)
+            event = self._event(flight, detok, token_ids, reason, logprobs)
             if event.finish_reason is None and isinstance(msg, m.PrefillDone):
                 await self._send_decode(flight)
             yield event
@@ -282,13 +283,13 @@ class Conductor:
         return [done.first_token], reason
 
     def _event(self, flight: Flight, detok: IncrementalDetokenizer, token_ids: list[int],
-               finish_reason: str | None) -> StreamEvent:
+               finish_reason: str | None, logprobs=None) -> StreamEvent:
         flight.generated += token_ids
         self.metrics.completion_tokens.inc(len(token_ids))
         text = detok.add(token_ids, final=finish_reason is not None)
         if detok.stopped:
             finish_reason = "stop"
-        return StreamEvent(text, token_ids, finish_reason)
+        return StreamEvent(text, token_ids, finish_reason, logprobs)
 
     async def _migrate(self, flight: Flight, failure: LegFailed) -> None:
         """Move the request to other instances, resuming after the tokens already streamed; raises

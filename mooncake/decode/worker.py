@@ -74,7 +74,7 @@ class DecodeWorker(Worker):
     async def on_outputs(self, outputs) -> None:
         for out in outputs:
             await self.link.send(m.Tokens(request_id=out.request_id, token_ids=out.new_token_ids,
-                                          finish_reason=out.finish_reason))
+                                          finish_reason=out.finish_reason, logprobs=out.logprobs))
             if out.finished:
                 self.engine.pop_completion(out.request_id)
 

@@ -14,8 +14,8 @@ from mooncake.config import EngineConfig
 from mooncake.engine.batch import build_batch
 from mooncake.engine.block_pool import BlockPool
 from mooncake.engine.kv_cache import PagedKVCache
-from mooncake.engine.sampler import sample
-from mooncake.sampling import SamplingParams
+from mooncake.engine.sampler import logprobs_of, sample
+from mooncake.sampling import SamplingParams, TokenLogprob
 from mooncake.engine.scheduler import Scheduler
 from mooncake.engine.sequence import Sequence
 from mooncake.errors import ConfigError, InvalidRequestError, KVPayloadError
@@ -37,6 +37,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Completion:
     num_cached_tokens: int
     ttft_s: float
     total_s: float
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
 
 class LLMEngine:
@@ -132,7 +134,8 @@ class LLMEngine:
         batch, sampled = build_batch(scheduled, self.block_size, self.device, self.dtype)
         logits = self.runner.forward(batch, self.kv_cache.kv)
         self.scheduler.on_computed(scheduled)
-        return self._postprocess(sampled, sample(logits, sampled))
+        tokens = sample(logits, sampled)
+        return self._postprocess(sampled, tokens, logprobs_of(logits, sampled, tokens))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
         """Run prompts to completion together (continuous batching); results in prompt order."""
@@ -152,7 +155,8 @@ class LLMEngine:
         return Completion(request_id=request_id, token_ids=list(seq.output_token_ids),
                           finish_reason=seq.finish_reason, num_prompt_tokens=len(seq.prompt_token_ids),
                           num_cached_tokens=seq.num_cached_tokens,
-                          ttft_s=(seq.first_token_s or now) - seq.arrival_s, total_s=now - seq.arrival_s)
+                          ttft_s=(seq.first_token_s or now) - seq.arrival_s, total_s=now - seq.arrival_s,
+                          logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None)
 
     # -- KV export / import ----------------------------------------------------------------------
 
@@ -221,10 +225,13 @@ class LLMEngine:
             raise InvalidRequestError(f"the request needs {blocks_needed} KV blocks; the cache has "
                                       f"{self.pool.num_blocks} (raise engine.kv_cache_bytes)")
 
-    def _postprocess(self, seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int],
+                     logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:
         outputs, now = [], time.perf_counter()
-        for seq, token in zip(seqs, tokens):
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
             seq.output_token_ids.append(token)
+            if logprob is not None:
+                seq.output_logprobs.append(logprob)
             if seq.first_token_s is None:
                 seq.first_token_s = now
             if seq.num_tokens % self.block_size == 0:  # a block just filled: extend the hash chain
@@ -234,7 +241,8 @@ class LLMEngine:
             if reason:
                 self.scheduler.finish(seq, reason, free=not seq.keep_kv)
             outputs.append(RequestOutput(seq.seq_id, [token], reason is not None, reason,
-                                         len(seq.prompt_token_ids), seq.num_cached_tokens))
+                                         len(seq.prompt_token_ids), seq.num_cached_tokens,
+                                         None if logprob is None else [logprob]))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

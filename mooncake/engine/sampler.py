@@ -1,8 +1,10 @@
-"""Turns logits into next tokens: greedy rows in one argmax, sampled rows each with their own RNG."""
+"""Turns logits into next tokens: greedy rows in one argmax, sampled rows each with their own RNG; and,
+for the rows that ask, the chosen tokens' log-probabilities."""
 
 import torch
 
 from mooncake.engine.sequence import Sequence
+from mooncake.sampling import TokenLogprob
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -12,6 +14,25 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if not seq.params.is_greedy:
             tokens[i] = _sample_one(logits[i], seq)
     return tokens
+
+
+def logprobs_of(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
+    """Each chosen token's log-probability under the raw distribution (as vLLM reports by default) and
+    its sequence's `logprobs` likeliest alternatives; None for sequences that did not ask. One
+    log-softmax over the rows that asked."""
+    rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(seqs)
+    if not rows:
+        return out
+    logp = torch.log_softmax(logits[rows].float(), dim=-1)
+    chosen = logp[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows])].tolist()
+    k = max(seqs[i].params.logprobs for i in rows)
+    values, ids = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
+    values, ids = values.tolist(), ids.tolist()
+    for row, i in enumerate(rows):
+        want = seqs[i].params.logprobs
+        out[i] = TokenLogprob(chosen[row], list(zip(ids[row][:want], values[row][:want])))
+    return out
 
 
 def _sample_one(logits: torch.Tensor, seq: Sequence) -> int:

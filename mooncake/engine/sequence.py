@@ -23,6 +23,7 @@ class Sequence:
     generator: torch.Generator | None = None  # per-request RNG, for reproducible sampling
     keep_kv: bool = False  # on finish, hold the blocks until the engine is told to release them
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache or an import

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from mooncake import messages as m
-from mooncake.sampling import SamplingParams
+from mooncake.sampling import SamplingParams, TokenLogprob
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
 from mooncake.instance.worker import Worker
 from mooncake.kv_payload import KVPayload
@@ -37,6 +37,7 @@ class _Job:
     num_forwarded: int = 0  # prompt tokens computed so far, as of the last step
     compute_seconds: float = 0.0  # time of the steps that computed some of its prompt
     first_token: int | None = None
+    first_logprob: TokenLogprob | None = None
     finish_reason: str | None = None
 
 
@@ -182,6 +183,7 @@ class PrefillWorker(Worker):
             elif job is not None and out.finished:
                 self._push_new_blocks(job)  # the last chunk's blocks (all of them, without stream_kv)
                 job.first_token, job.finish_reason = out.new_token_ids[0], out.finish_reason
+                job.first_logprob = out.logprobs[0] if out.logprobs else None
                 self.spawn_for(job.msg.request_id, self._hand_off(job), "the hand-off")
 
     def _push_new_blocks(self, job: _Job) -> None:
@@ -247,6 +249,7 @@ class PrefillWorker(Worker):
         done, num_forwarded = await self.loop.call(self._complete, msg.request_id)
         await self.link.send(m.PrefillDone(
             request_id=msg.request_id, first_token=job.first_token, finish_reason=job.finish_reason,
+            first_logprob=job.first_logprob,
             num_cached_tokens=done.num_cached_tokens, num_computed_tokens=num_forwarded,
             num_kv_blocks_sent=job.num_sent_blocks if msg.decode_address else 0,
             kv_bytes=sum(r.num_bytes for r in results if r), kv_seconds=sum(r.seconds for r in results if r), prefill_seconds=time.perf_counter() - job.received_s,

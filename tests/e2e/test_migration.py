@@ -34,6 +34,7 @@ class Stream:
 
     def __init__(self, url: str, body: dict):
         self.token_ids, self.finish_reason, self.error, self.done = [], None, None, threading.Event()
+        self.logprobs = []  # when the body asks for them
         data = json.dumps({**body, "stream": True, "return_token_ids": True}).encode()
         self.req = urllib.request.Request(url + "/v1/completions", data=data,
                                           headers={"Content-Type": "application/json"})
@@ -51,6 +52,7 @@ class Stream:
                         continue
                     choice = event["choices"][0]
                     self.token_ids += choice["token_ids"]
+                    self.logprobs += (choice["logprobs"] or {}).get("token_logprobs", [])
                     self.finish_reason = choice["finish_reason"] or self.finish_reason
         finally:
             self.done.set()
@@ -98,8 +100,9 @@ def undisturbed(cluster, body: dict) -> list[int]:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
 def test_a_decode_instance_lost_mid_stream_costs_the_stream_nothing(cluster, sig):
-    body = story()
-    reference = undisturbed(cluster, body)
+    body = {**story(), "logprobs": 0}
+    reference = Stream(cluster.url, body)
+    reference.result()
     moved = migrations(cluster)
     stream = Stream(cluster.url, body)
     wait_for(lambda: len(stream.token_ids) >= 50, 60, "the first streamed tokens")
@@ -114,7 +117,8 @@ def test_a_decode_instance_lost_mid_stream_costs_the_stream_nothing(cluster, sig
         else:
             cluster.spawn(cluster.process(victim))
     assert len(tokens) == body["max_tokens"] and stream.finish_reason == "length"
-    assert tokens == reference, "the moved stream differs from the undisturbed one"
+    assert tokens == reference.token_ids, "the moved stream differs from the undisturbed one"
+    assert stream.logprobs == pytest.approx(reference.logprobs, abs=2e-3) and len(stream.logprobs) == len(tokens)
     # The conductor's one line for the request says what happened to it.
     lines = (cluster.workdir / "conductor.log").read_text().splitlines()
     assert any("outcome=ok" in line and f"completion_tokens={len(tokens)} " in line and "legs=2 " in line

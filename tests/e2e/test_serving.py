@@ -149,3 +149,48 @@ def test_n_choices_with_the_openai_client_whole_and_streamed(cluster):
     greedy = client.chat.completions.create(model="tiny", n=2, max_tokens=5, temperature=0,
                                             messages=[{"role": "user", "content": prompt}])
     assert len(greedy.choices) == 2 and greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
+def shown(raw: list[int] | None) -> str:
+    """How a token's bytes are shown: as text, as `bytes:\\xNN...` when they split a UTF-8 character, as
+    `token_id:N` for an id the tokenizer lacks (the tiny model's vocabulary is larger than its tokenizer's)."""
+    if raw is None:
+        return "token_id:"
+    try:
+        return bytes(raw).decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def test_logprobs_with_the_openai_client_are_the_models_across_the_hand_off(cluster, tiny_dir):
+    """The first token's log-probabilities come from prefill, the rest from decode: all of them equal
+    transformers' over the same tokens, whole and streamed, on completions and chat."""
+    openai = pytest.importorskip("openai")
+    from tests.conftest import hf_reference
+    hf = hf_reference(tiny_dir)
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    prompt = f"{uuid.uuid4().hex} and the log-probabilities of what follows: "
+    args = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    whole = client.completions.create(**args).choices[0]
+    lp, ids = whole.logprobs, whole.model_extra["token_ids"]
+    ref = hf.logprobs(hf.tokenizer(prompt)["input_ids"], ids)
+    assert len(lp.token_logprobs) == len(lp.tokens) == len(ids) == 6
+    assert lp.token_logprobs == pytest.approx([ref[i, t].item() for i, t in enumerate(ids)], abs=2e-3)
+    assert all(len(top) in (2, 3) and max(top.values()) == pytest.approx(ref[i].max().item(), abs=2e-3)
+               for i, top in enumerate(lp.top_logprobs))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **args) if c.choices]
+    assert [v for s in streamed if s for v in s.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)
+    assert [o for s in streamed if s for o in s.text_offset] == lp.text_offset
+
+    messages = [{"role": "user", "content": prompt}]
+    chat = dict(model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = client.chat.completions.create(**chat).choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.top_logprobs[0].logprob == pytest.approx(t.logprob) for t in content)  # greedy: the likeliest
+    assert all(t.token == shown(t.bytes) or t.bytes is None and t.token.startswith(shown(None)) for t in content)
+    pieces = [c.choices[0].logprobs for c in client.chat.completions.create(stream=True, **chat) if c.choices]
+    assert [t.logprob for p in pieces if p for t in p.content] == pytest.approx([t.logprob for t in content])
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None

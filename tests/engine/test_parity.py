@@ -1,7 +1,8 @@
 """Greedy token ids must equal transformers' generate(do_sample=False) on the same float32 weights, for
 64 new tokens, on the tiny random model and on the real SmolLM2: (a) a fresh prompt, (b) a prompt whose
 prefix comes from the local cache, (c) KV exported after prefill and imported into a second engine,
-(d) 8 prompts decoded together with continuous batching, half of them joining mid-way."""
+(d) 8 prompts decoded together with continuous batching, half of them joining mid-way. And (e) the
+log-probabilities the engine reports equal transformers' over the same tokens."""
 
 import random
 
@@ -109,3 +110,25 @@ def test_d_continuous_batching_with_requests_joining_midway(setup):
     outs = run_to_end(engine, first + late)
     for ids, out in zip(all_ids, outs):
         assert out.token_ids == hf.greedy(ids, NEW_TOKENS)
+
+
+def test_e_logprobs_are_the_models_raw_distribution(setup):
+    cfg, engine, hf = setup
+    plain, greedy_ids, sampled_ids = prompts(engine, 3)
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
+    sampled = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5, temperature=0.9, seed=3)
+    rids = [engine.add_request(plain, SamplingParams(max_tokens=12, ignore_eos=True)),
+            engine.add_request(greedy_ids, greedy), engine.add_request(sampled_ids, sampled)]
+    none, *asked = run_to_end(engine, rids)
+    assert none.logprobs is None
+    tol = 2e-3
+    for ids, out, want in zip((greedy_ids, sampled_ids), asked, (3, 5)):
+        ref = hf.logprobs(ids, out.token_ids)
+        assert len(out.logprobs) == len(out.token_ids) == 12
+        for row, token, lp in zip(ref, out.token_ids, out.logprobs):
+            assert lp.logprob == pytest.approx(row[token].item(), abs=tol)
+            top = row.topk(want)
+            assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=tol)
+            assert all(row[t].item() == pytest.approx(v, abs=tol) for t, v in lp.top)
+    greedy_out = asked[0]
+    assert all(lp.top[0][0] == t for t, lp in zip(greedy_out.token_ids, greedy_out.logprobs))  # greedy: the likeliest
