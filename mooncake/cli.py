@@ -106,8 +106,15 @@ def make_role(role: str, cfg):
     return ServiceStack("conductor", [conductor, ApiServer(cfg, conductor)])
 
 
-# `mooncake dev` without --config: one box runs every role, so each gets less than a dedicated host would.
-DEV_SIZES = {"engine.kv_cache_bytes": 512 << 20, "store.dram_bytes": 512 << 20}
+def dev_defaults() -> dict:
+    """What `mooncake dev` runs without --config. One box runs every role, so each gets less than a
+    dedicated host would: the fastest dtype this CPU has (engine.dtype "auto": bfloat16 with AMX or
+    AVX512-BF16, else float32) and, per instance, paged KV for one full 8k-token context of the default
+    model in that dtype; the cache node's DRAM the same."""
+    from mooncake.config import resolve_dtype
+    kv_bytes = (256 if resolve_dtype("auto", "cpu") != "float32" else 512) << 20
+    return {"engine.dtype": "auto", "engine.kv_cache_bytes": kv_bytes, "store.dram_bytes": kv_bytes}
+
 
 @app.command()
 def dev(
@@ -120,8 +127,11 @@ def dev(
     transport: Optional[str] = typer.Option(None, "--transport", help="KV transport: tcp, shm, mooncake. "
                                             "Default: the config's instance.transport (tcp)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="Base TOML config for every process. "
-                                          "Without one, sizes fit a laptop: 512 MiB of paged KV per instance and "
-                                          "512 MiB of DRAM for the cache node (1 GiB each otherwise)."),
+                                          "Without one: engine.dtype auto (bfloat16 where the CPU has AMX or "
+                                          "AVX512-BF16, else float32) and sizes that fit a laptop: 256 MiB of paged "
+                                          "KV per instance and of DRAM for the cache node (512 MiB in float32)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="engine.dtype: float32, bfloat16, float16 or auto. "
+                                        "float32 gives the same tokens as transformers."),
     workdir: Optional[Path] = typer.Option(None, "--workdir", help="Where to write each process's config "
                                            "(default: a new temp directory)."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for every instance to be ready."),
@@ -136,7 +146,9 @@ def dev(
     from mooncake.dev import DevCluster, run_dev
     from mooncake.models import resolve_model
 
-    overrides = ({} if config else dict(DEV_SIZES)) | {"api.port": port}
+    overrides = ({} if config else dev_defaults()) | {"api.port": port}
+    if dtype:
+        overrides["engine.dtype"] = dtype
     if model:
         overrides["engine.model"] = model
     if transport:

@@ -26,9 +26,10 @@ T = TypeVar("T")
 _xxh3 = xxhash.xxh3_64_intdigest
 
 
-def make_namespace(model_id: str, block_size: int) -> bytes:
-    """The namespace that keeps two models (or two block sizes) from ever sharing a key."""
-    return f"{model_id}/bs{block_size}".encode()
+def make_namespace(model_id: str, block_size: int, dtype: str) -> bytes:
+    """The namespace that keeps two models (or two block sizes, or KV of two dtypes) from ever sharing a
+    key: a pool that held float32 blocks serves none of them to a bfloat16 cluster."""
+    return f"{model_id}/bs{block_size}/{dtype}".encode()
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int], namespace: bytes) -> int:

@@ -14,7 +14,7 @@ import msgspec
 from mooncake.errors import MooncakeError
 from mooncake.sampling import TokenLogprob
 
-VERSION = 2  # 2: logprobs on PrefillDone and Tokens
+VERSION = 2  # 2: logprobs on PrefillDone and Tokens, kv_dtype on Register
 _TYPES: dict[str, type] = {}
 
 
@@ -133,6 +133,7 @@ class Register(Message, tag="register"):
     role: str  # "prefill" or "decode"
     model_id: str
     block_size: int
+    kv_dtype: str  # what its engine runs and its KV blocks hold (engine.dtype, "auto" resolved)
     transport: str = ""  # decode: the transport its KV inbox listens on
     data_address: str = ""
     num_kv_blocks: int = 0

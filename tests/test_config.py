@@ -93,3 +93,25 @@ def test_a_third_party_transport_registered_by_entry_point_is_a_valid_name(monke
     assert load_config(None, {"instance.transport": "carrier-pigeon"}).instance.transport == "carrier-pigeon"
     with pytest.raises(ConfigError, match="instance.transport.*carrier-pigeon.*'owl'"):
         load_config(None, {"instance.transport": "owl"})
+
+
+def test_auto_dtype_is_bfloat16_where_the_hardware_runs_it_fast_and_float32_elsewhere():
+    from mooncake.config import resolve_dtype
+    assert resolve_dtype("auto", "cpu", {"avx2", "avx512f"}) == "float32"
+    assert resolve_dtype("auto", "cpu", {"avx512f", "avx512_bf16"}) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", {"amx_tile", "amx_bf16"}) == "bfloat16"
+    assert resolve_dtype("auto", "cuda:0", set()) == "bfloat16"
+    assert resolve_dtype("float32", "cuda", {"amx_bf16"}) == "float32"  # an explicit dtype is kept
+    cfg = load_config(None, {"engine.dtype": "auto"})
+    assert cfg.engine.kv_dtype == resolve_dtype("auto", "cpu") and cfg.engine.dtype == "auto"
+
+
+def test_dev_defaults_fit_one_full_context_of_the_default_model_in_the_dtype_they_choose():
+    from mooncake.cli import dev_defaults
+    from mooncake.models import resolve_model
+    cfg = load_config(None, dev_defaults())
+    model = resolve_model(cfg.engine.model).config
+    kv_heads = model.get("num_key_value_heads", model["num_attention_heads"])
+    head_dim = model["hidden_size"] // model["num_attention_heads"]
+    per_token = 2 * model["num_hidden_layers"] * kv_heads * head_dim * (4 if cfg.engine.kv_dtype == "float32" else 2)
+    assert cfg.engine.kv_cache_bytes // per_token >= model["max_position_embeddings"] >= 8192

@@ -8,7 +8,7 @@ import xxhash
 from mooncake.hashing import (CHECKSUM_CHUNK_BYTES, PARALLEL_MIN_BYTES, checksum, hash_block, hash_blocks,
                               make_namespace)
 
-NS = make_namespace("model-a", 4)
+NS = make_namespace("model-a", 4, "float32")
 
 
 def test_only_full_blocks_are_hashed():
@@ -26,13 +26,15 @@ def test_chained_hash_depends_on_whole_prefix():
 
 def test_namespace_separates_models_and_block_sizes():
     tokens = list(range(8))
-    assert hash_blocks(tokens, 4, NS) != hash_blocks(tokens, 4, make_namespace("model-b", 4))
-    assert hash_blocks(tokens, 4, NS)[0] != hash_blocks(tokens, 8, make_namespace("model-a", 8))[0]
+    assert hash_blocks(tokens, 4, NS) != hash_blocks(tokens, 4, make_namespace("model-b", 4, "float32"))
+    assert hash_blocks(tokens, 4, NS)[0] != hash_blocks(tokens, 8, make_namespace("model-a", 8, "float32"))[0]
+    assert hash_blocks(tokens, 4, NS) != hash_blocks(tokens, 4, make_namespace("model-a", 4, "bfloat16"))
 
 
 def test_hash_is_stable_across_processes_and_versions():
     # Fixed seed, u32 little-endian ids: nodes must agree on keys, so this value must never drift.
-    assert hash_blocks([1, 2, 3, 4], 4, NS) == [0xED8309490389CD0E]
+    # (The namespace gained the KV dtype in message version 2: keys written before are not reused.)
+    assert hash_blocks([1, 2, 3, 4], 4, NS) == [0x3B2FFF107DFCDB84]
     assert checksum(b"mooncake") == checksum(bytearray(b"mooncake"))
 
 

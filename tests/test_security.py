@@ -139,11 +139,11 @@ def test_the_conductor_ignores_peers_without_the_cluster_key(tiny_dir, keyed):
     member = dealer(served.control, keyed, b"prefill-k")
     try:
         register = m.Register(instance_id="prefill-k", role="prefill", model_id=served.conductor.model.model_id,
-                              block_size=64)
+                              block_size=64, kv_dtype="float32")
         assert answered(member, register, 10.0).accepted
         stranger = dealer(served.control, identity=b"decode-s")
         for msg in (m.Register(instance_id="decode-s", role="decode", model_id=served.conductor.model.model_id,
-                               block_size=64, transport="tcp", data_address="tcp://127.0.0.1:1"),
+                               block_size=64, kv_dtype="float32", transport="tcp", data_address="tcp://127.0.0.1:1"),
                     m.Leave(instance_id="prefill-k"), m.Heartbeat(instance_id="prefill-k", num_running=99)):
             assert answered(stranger, msg) is None
         stranger.close()

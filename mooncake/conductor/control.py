@@ -41,11 +41,12 @@ class ControlPlane:
         self.on_dead = on_dead
         self.model_id = ""
         self.block_size = 0
+        self.kv_dtype = ""
         self.ctx: zmq.asyncio.Context | None = None
         self.router = None
 
-    async def start(self, supervisor: Supervisor, model_id: str, block_size: int) -> None:
-        self.model_id, self.block_size = model_id, block_size
+    async def start(self, supervisor: Supervisor, model_id: str, block_size: int, kv_dtype: str) -> None:
+        self.model_id, self.block_size, self.kv_dtype = model_id, block_size, kv_dtype
         self.ctx = zmq.asyncio.Context()
         self.router = security.server(self.ctx.socket(zmq.ROUTER))
         self.router.setsockopt(zmq.LINGER, 0)
@@ -142,11 +143,14 @@ class ControlPlane:
             problem = f"it runs model {msg.model_id}, which this conductor does not serve"
         elif msg.block_size != self.block_size:
             problem = f"its block_size {msg.block_size} is not the system's"
+        elif msg.kv_dtype != self.kv_dtype:
+            problem = (f"its KV dtype {msg.kv_dtype} is not the system's {self.kv_dtype} (engine.dtype; "
+                       f"\"auto\" resolves by the host's CPU: set it explicitly across hosts)")
         if problem:
             # NOTE: the reply tells the instance what of its own is wrong and nothing of the cluster's;
             # the conductor's log has both sides.
-            log.error("refused %s: %s (this conductor: model %s, block_size %d)", msg.instance_id, problem,
-                      self.model_id, self.block_size)
+            log.error("refused %s: %s (this conductor: model %s, block_size %d, KV dtype %s)", msg.instance_id,
+                      problem, self.model_id, self.block_size, self.kv_dtype)
             return m.RegisterReply(accepted=False, error=problem)
         old = self.registry.get(msg.instance_id)
         if old is not None and old.is_alive:

@@ -77,12 +77,12 @@ class Conductor:
         # NOTE: not transformers' AutoTokenizer, which imports torch: the conductor runs no model.
         self.tokenizer = await asyncio.to_thread(LightTokenizer, self.model.path)
         self.block_size = self.config.engine.block_size
-        self.namespace = make_namespace(self.model.model_id, self.block_size)
+        self.namespace = make_namespace(self.model.model_id, self.block_size, self.config.engine.kv_dtype)
         max_positions = self.model.config.get("max_position_embeddings", 2048)
         self.max_model_len = min(self.config.engine.max_model_len or max_positions, max_positions)
         self.block_bytes = self._kv_bytes_per_token() * self.block_size
         self.supervisor = Supervisor(self.name)
-        await self.control.start(self.supervisor, self.model.model_id, self.block_size)
+        await self.control.start(self.supervisor, self.model.model_id, self.block_size, self.config.engine.kv_dtype)
         self.pool = PoolWatcher(self.config.cache_client.nodes, self.index, self.config.cache_client.timeout_s,
                                 on_stats=self.metrics.record_cache_stats)
         self.pool.start()
@@ -106,7 +106,7 @@ class Conductor:
         c = self.model.config
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         num_kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
-        dtype_bytes = 4 if self.config.engine.dtype == "float32" else 2
+        dtype_bytes = 4 if self.config.engine.kv_dtype == "float32" else 2
         return 2 * c["num_hidden_layers"] * num_kv_heads * head_dim * dtype_bytes
 
     def health(self) -> dict:

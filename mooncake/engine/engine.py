@@ -62,12 +62,12 @@ class LLMEngine:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"config key 'engine.device' is {config.device!r} but torch sees no CUDA device")
-        self.dtype = getattr(torch, config.dtype)
+        self.dtype = getattr(torch, config.kv_dtype)
         self.model = resolve_model(config.model)
         runner_cls = load_backend("models", self.model.config["model_type"])
         self.runner = runner_cls(self.model.path, self.device, self.dtype)
         self.block_size = config.block_size
-        self.namespace = make_namespace(self.model.model_id, self.block_size)
+        self.namespace = make_namespace(self.model.model_id, self.block_size, config.kv_dtype)
         self.max_model_len = min(config.max_model_len or self.runner.max_position_embeddings,
                                  self.runner.max_position_embeddings)
         num_blocks = config.num_kv_blocks or max(
@@ -78,7 +78,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._tokenizer = None
         log.info("engine ready: model %s (%s), %d KV blocks of %d tokens on %s/%s",
-                 config.model, self.model.model_id, num_blocks, self.block_size, self.device, config.dtype)
+                 config.model, self.model.model_id, num_blocks, self.block_size, self.device, config.kv_dtype)
 
     @property
     def tokenizer(self):

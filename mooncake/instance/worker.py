@@ -44,7 +44,8 @@ class Worker:
         self.loop = EngineLoop(self.engine, self.on_outputs, self.on_failed)
         await self.start_role()
         register = m.Register(instance_id=self.instance_id, role=self.role, model_id=self.engine.model.model_id,
-                              block_size=self.engine.block_size, transport=self.config.instance.transport,
+                              block_size=self.engine.block_size, kv_dtype=self.config.engine.kv_dtype,
+                              transport=self.config.instance.transport,
                               data_address=self.data_address, num_kv_blocks=self.engine.pool.num_blocks)
         self.link = ConductorLink(self.config.instance.conductor_address, register, self.heartbeat,
                                   self.on_message, self.supervisor, on_registered=self.on_registered)

@@ -60,7 +60,8 @@ class Served:
             s.setsockopt(zmq.IDENTITY, f"{role}-x".encode())
             s.connect(self.control)
             s.send(m.encode(m.Register(instance_id=f"{role}-x", role=role, model_id=self.conductor.model.model_id,
-                                       block_size=64, transport="tcp", data_address="tcp://127.0.0.1:1")))
+                                       block_size=64, kv_dtype="float32", transport="tcp",
+                                       data_address="tcp://127.0.0.1:1")))
             assert s.poll(10_000), "the conductor did not answer a registration"
             assert m.decode(s.recv()).accepted
             socks.append(s)
@@ -179,10 +180,16 @@ def test_an_instance_of_another_model_is_refused(served):
     s.setsockopt(zmq.IDENTITY, b"prefill-y")
     s.connect(served.control)
     try:
-        s.send(m.encode(m.Register(instance_id="prefill-y", role="prefill", model_id="other-123", block_size=64)))
+        s.send(m.encode(m.Register(instance_id="prefill-y", role="prefill", model_id="other-123", block_size=64,
+                                   kv_dtype="float32")))
         assert s.poll(10_000)
         reply = m.decode(s.recv())
         assert not reply.accepted and "other-123" in reply.error
+        s.send(m.encode(m.Register(instance_id="prefill-y", role="prefill", model_id=served.conductor.model.model_id,
+                                   block_size=64, kv_dtype="bfloat16")))  # the right model, KV of another dtype
+        assert s.poll(10_000)
+        reply = m.decode(s.recv())
+        assert not reply.accepted and "bfloat16" in reply.error and "float32" in reply.error
         s.send(b"\xc1garbage")  # a malformed control message gets an error reply; the conductor goes on
         assert s.poll(10_000) and isinstance(m.decode(s.recv()), m.ErrorReply)
     finally:

@@ -88,7 +88,7 @@ def test_a_second_connection_under_a_registered_identity_is_not_heard(cluster):
 
 def test_a_refused_registration_reveals_nothing_of_the_cluster(cluster, stranger):
     drain(stranger)
-    stranger.send(m.encode(m.Register(instance_id="stranger", role="decode", model_id="guess", block_size=7)))
+    stranger.send(m.encode(m.Register(instance_id="stranger", role="decode", model_id="guess", block_size=7, kv_dtype="float32")))
     (reply,) = drain(stranger, 2.0)
     assert not reply.accepted and cluster.conductor.model.model_id not in reply.error
     assert "64" not in reply.error

@@ -3,7 +3,7 @@ from mooncake.conductor.instances import InstanceRegistry
 
 
 def reg(instance_id, role="decode"):
-    return m.Register(instance_id=instance_id, role=role, model_id="x", block_size=16)
+    return m.Register(instance_id=instance_id, role=role, model_id="x", block_size=16, kv_dtype="float32")
 
 
 def test_silent_instances_die_and_must_register_again():

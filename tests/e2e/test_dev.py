@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mooncake.config import load_config
+from mooncake.config import load_config, resolve_dtype
 
 
 @pytest.mark.real_model
@@ -37,9 +37,12 @@ def test_mooncake_dev_answers_paris_and_stops_cleanly_on_sigterm(real_dir, tmp_p
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     assert {p.name for p in tmp_path.glob("*.toml")} == {"cache-0.toml", "conductor.toml", "prefill-0.toml",
                                                          "decode-0.toml"}
-    # Without --config, sizes fit one box: less KV per instance and less pool DRAM than the defaults.
+    # Without --config, sizes fit one box (less KV per instance and less pool DRAM than the defaults), in
+    # the fastest dtype this CPU has.
     written = load_config(tmp_path / "prefill-0.toml")
-    assert written.engine.kv_cache_bytes == 512 << 20 and written.store.dram_bytes == 512 << 20
+    assert written.engine.dtype == "auto" and written.engine.kv_dtype == resolve_dtype("auto", "cpu")
+    kv_bytes = (512 if written.engine.kv_dtype == "float32" else 256) << 20
+    assert written.engine.kv_cache_bytes == kv_bytes and written.store.dram_bytes == kv_bytes
 
 
 def test_mooncake_dev_exits_with_a_clear_error_when_its_port_is_taken(tmp_path):
@@ -54,7 +57,7 @@ def test_mooncake_dev_exits_with_a_clear_error_when_its_port_is_taken(tmp_path):
 
 
 def test_a_dev_cluster_removes_the_work_directory_it_made_and_keeps_one_it_was_given(tmp_path):
-    from mooncake.config import load_config
+    from mooncake.config import load_config, resolve_dtype
     from mooncake.dev import DevCluster
     config = load_config(None, {"engine.model": "tiny-llama", "api.port": 0})
     own = DevCluster(config)
