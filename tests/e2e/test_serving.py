@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -194,3 +195,11 @@ def test_logprobs_with_the_openai_client_are_the_models_across_the_hand_off(clus
     assert [t.logprob for p in pieces if p for t in p.content] == pytest.approx([t.logprob for t in content])
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_only_the_roles_that_run_a_model_load_torch(cluster):
+    """The cache node and the conductor stay small processes: neither maps libtorch."""
+    def maps_torch(proc) -> bool:
+        return "libtorch" in (Path("/proc") / str(proc.pid) / "maps").read_text()
+    assert {p.role: maps_torch(p) for p in cluster.processes} == {
+        "cache": False, "conductor": False, "prefill": True, "decode": True}
