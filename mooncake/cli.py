@@ -132,6 +132,9 @@ def dev(
                                           "KV per instance and of DRAM for the cache node (512 MiB in float32)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="engine.dtype: float32, bfloat16, float16 or auto. "
                                         "float32 gives the same tokens as transformers."),
+    speedup: Optional[float] = typer.Option(None, "--speedup", help="Emulated models only (emulated-llama3-70b): "
+                                            "divide every modelled step time by this (engine.emulation_speedup). "
+                                            "Scale a replay's pace and the SLOs by the same factor."),
     workdir: Optional[Path] = typer.Option(None, "--workdir", help="Where to write each process's config "
                                            "(default: a new temp directory)."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for every instance to be ready."),
@@ -149,6 +152,8 @@ def dev(
     overrides = ({} if config else dev_defaults()) | {"api.port": port}
     if dtype:
         overrides["engine.dtype"] = dtype
+    if speedup:
+        overrides["engine.emulation_speedup"] = speedup
     if model:
         overrides["engine.model"] = model
     if transport:

@@ -51,6 +51,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    emulation_speedup: float = 1.0  # emulated models only: every modelled step time is divided by this
 
     @property
     def kv_dtype(self) -> str:
@@ -63,6 +64,7 @@ class EngineConfig:
                f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         for key in ("block_size", "prefill_chunk", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes"):
             _check(getattr(self, key) > 0, f"engine.{key}", "must be > 0")
+        _check(self.emulation_speedup > 0, "engine.emulation_speedup", "must be > 0")
         for key in ("num_kv_blocks", "max_model_len", "num_threads"):
             _check(getattr(self, key) >= 0, f"engine.{key}", "must be >= 0")
         _check(self.max_num_batched_tokens >= self.max_num_seqs, "engine.max_num_batched_tokens",

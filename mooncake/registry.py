@@ -11,6 +11,7 @@ BACKENDS: dict[str, dict[str, str]] = {
     "models": {
         "llama": "backends.models.llama:LlamaRunner",
         "qwen2": "backends.models.llama:LlamaRunner",
+        "emulated": "backends.models.emulated:EmulatedRunner",
     },
     "transports": {
         "inproc": "backends.transports.inproc:InprocTransport",

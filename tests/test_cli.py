@@ -65,6 +65,9 @@ def test_bad_input_is_one_line_and_nonzero(tiny_dir, tmp_path, case, args, messa
 def test_model_list_and_help():
     proc = mooncake("model", "list")
     assert proc.returncode == 0 and "smollm2-135m-instruct" in proc.stdout and "tiny-llama" in proc.stdout
+    assert "emulated-llama3-70b" in proc.stdout
+    proc = mooncake("dev", "--help")
+    assert proc.returncode == 0 and "--speedup" in proc.stdout and "--dtype" in proc.stdout
     proc = mooncake("generate", "--help")
     assert proc.returncode == 0 and "--max-tokens" in proc.stdout
 

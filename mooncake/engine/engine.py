@@ -65,13 +65,17 @@ class LLMEngine:
         self.dtype = getattr(torch, config.kv_dtype)
         self.model = resolve_model(config.model)
         runner_cls = load_backend("models", self.model.config["model_type"])
-        self.runner = runner_cls(self.model.path, self.device, self.dtype)
+        self.runner = runner_cls.from_engine_config(self.model.path, self.device, self.dtype, config)
         self.block_size = config.block_size
         self.namespace = make_namespace(self.model.model_id, self.block_size, config.kv_dtype)
         self.max_model_len = min(config.max_model_len or self.runner.max_position_embeddings,
                                  self.runner.max_position_embeddings)
-        num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_bytes // self.runner.kv_spec.block_bytes(self.block_size, self.dtype))
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif self.runner.kv_capacity_tokens:
+            num_blocks = max(1, self.runner.kv_capacity_tokens // self.block_size)
+        else:
+            num_blocks = max(1, config.kv_cache_bytes // self.runner.kv_spec.block_bytes(self.block_size, self.dtype))
         self.kv_cache = PagedKVCache(self.runner.kv_spec, num_blocks, self.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(config, self.pool)

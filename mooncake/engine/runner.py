@@ -44,6 +44,21 @@ class ModelRunner(ABC):
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
 
+    kv_capacity_tokens: int | None = None
+    """Tokens of KV the modelled hardware holds, for a runner that emulates it (the engine then sizes its
+    cache to that, not to engine.kv_cache_bytes); None: the cache is sized by bytes."""
+
+    def transfer_seconds(self, num_tokens: int) -> float:
+        """Time that moving `num_tokens` of KV over the network costs beyond moving the real bytes: an
+        emulated runner's KV is smaller than the KV it models. 0 for a real runner."""
+        return 0.0
+
+    @classmethod
+    def from_engine_config(cls, model_dir, device: torch.device, dtype: torch.dtype, config) -> "ModelRunner":
+        """This backend for an engine of `config` (an EngineConfig); backends with settings of their own
+        (the emulated runner's speedup) override this."""
+        return cls(model_dir, device, dtype)
+
     @abstractmethod
     def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
         """Write the batch's new KV into `kv` ([layers, 2, slots, kv_heads, head_dim]) and return

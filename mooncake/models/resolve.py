@@ -49,7 +49,7 @@ def resolve_model(name_or_path: str, fetch: bool = True) -> ModelSpec:
         raise UnsupportedModelError(f"unsupported architecture {model_type!r} ({arch}) in {path}: "
                                     f"mooncake runs {', '.join(SUPPORTED_MODEL_TYPES)} models")
     weights = sorted(path.glob("*.safetensors"))
-    if not weights:
+    if not weights and model_type != "emulated":
         raise ModelError(f"{path} has no *.safetensors weights")
     return ModelSpec(path=path, model_id=f"{path.name}-{_fingerprint(config_file, weights)}", config=config)
 

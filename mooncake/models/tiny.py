@@ -1,4 +1,5 @@
-"""Builds the random-weight test model from its TOML spec: fixed seed, byte-level tokenizer, ChatML template."""
+"""Builds the models written from a TOML spec: the random-weight test model (fixed seed) and emulated
+models (no weights); both with a byte-level tokenizer and a ChatML template."""
 
 import json
 import tomllib
@@ -29,6 +30,23 @@ def build_random_model(spec_path: Path, out: Path) -> None:
     _byte_tokenizer().save_pretrained(out)
     meta = {"seed": seed, "spec": Path(spec_path).name}
     (out / "mooncake-random-model.json").write_text(json.dumps(meta))
+
+
+def build_emulated_model(spec_path: Path, out: Path) -> None:
+    """config.json from the spec's [config], with its [cost] as "emulation" (checked here, read by the
+    runner), and the byte-level tokenizer."""
+    from mooncake.cost import CostModel
+
+    try:
+        spec = tomllib.loads(Path(spec_path).read_text())
+        config, cost = dict(spec["config"]), spec["cost"]
+    except (OSError, tomllib.TOMLDecodeError, KeyError) as exc:
+        raise ModelError(f"bad emulated-model spec {spec_path}: {exc}") from None
+    CostModel.from_dict(cost, f"{spec_path} [cost]")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**config, "emulation": cost}, indent=2))
+    _byte_tokenizer().save_pretrained(out)
+    (out / "mooncake-emulated-model.json").write_text(json.dumps({"spec": Path(spec_path).name}))
 
 
 def _byte_tokenizer():

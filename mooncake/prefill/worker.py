@@ -54,6 +54,8 @@ class PrefillWorker(Worker):
         self._snapshot_task: asyncio.Task | None = None
 
     async def start_role(self) -> None:
+        # NOTE: read once here: the runner belongs to the engine thread (an emulated one models this).
+        self._transfer_s_per_block = self.engine.runner.transfer_seconds(self.engine.block_size)
         self.transport = make_transport(self.config.instance.transport, self.config)
         await self.transport.start()
         if self.config.instance.use_cache_pool:
@@ -151,6 +153,8 @@ class PrefillWorker(Worker):
             return []
         start = time.perf_counter()
         found = await self.cache.get_blocks(wanted)
+        if delay := self._transfer_s_per_block * sum(found.get(k) is not None for k in wanted):
+            await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
         job.fetch_seconds = time.perf_counter() - start
         payloads = []
         for key in wanted:
@@ -206,6 +210,8 @@ class PrefillWorker(Worker):
             self._write_pool(msg.request_id, to_pool)
         if not msg.decode_address:  # none when the request ends with its first token
             return None
+        if delay := self._transfer_s_per_block * len(blocks):
+            await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
         # NOTE: one transfer id per chunk: several chunks of a request may be in flight at once.
         result = await self.transport.send(msg.decode_address, blocks, self._time_left(job),
                                            f"{msg.request_id}/{first_block}")

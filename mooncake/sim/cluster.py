@@ -3,7 +3,7 @@
 from abc import ABC, abstractmethod
 
 from mooncake.config import SimConfig
-from mooncake.sim.cost import CostModel
+from mooncake.cost import CostModel
 from mooncake.sim.events import EventLoop
 from mooncake.sim.metrics import RequestRecord
 from mooncake.sim.trace import TraceRequest

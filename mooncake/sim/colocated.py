@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mooncake.config import SimConfig
-from mooncake.sim.cost import CostModel
+from mooncake.cost import CostModel
 from mooncake.sim.cluster import SimulatedCluster
 from mooncake.sim.metrics import RequestRecord
 from mooncake.sim.pool import NodePool

@@ -16,7 +16,7 @@ from mooncake.conductor.policies import Estimators
 from mooncake.conductor.prefix_index import PrefixIndex
 from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, PrefillView, RequestView
 from mooncake.config import ConductorConfig, SimConfig
-from mooncake.sim.cost import CostModel
+from mooncake.cost import CostModel
 from mooncake.sim.cluster import SimulatedCluster
 from mooncake.sim.metrics import RequestRecord
 from mooncake.sim.pool import NodePool

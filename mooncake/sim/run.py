@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mooncake.config import MooncakeConfig
 from mooncake.sim.colocated import ColocatedCluster
-from mooncake.sim.cost import CostModel
+from mooncake.cost import CostModel
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import report
 from mooncake.sim.trace import load_trace

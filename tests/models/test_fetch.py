@@ -21,6 +21,21 @@ def test_fetch_is_idempotent(tmp_path, monkeypatch):
     assert fetch_model("tiny-llama", home=tmp_path) == first
 
 
+def test_a_model_written_from_an_edited_spec_is_written_again(tmp_path, monkeypatch):
+    import dataclasses
+
+    from mooncake.models.catalog import CATALOG
+    entry = CATALOG["emulated-llama3-70b"]
+    first = fetch_model(entry.name, home=tmp_path)
+    spec = tmp_path / "edited.toml"
+    spec.write_text(entry.spec_path.read_text().replace("mfu = 0.45", "mfu = 0.5"))
+    monkeypatch.setitem(CATALOG, entry.name, dataclasses.replace(entry, spec_path=spec))
+    assert not is_fetched(entry.name, home=tmp_path)
+    again = fetch_model(entry.name, home=tmp_path)
+    assert again == first and '"mfu": 0.5' in (again / "config.json").read_text()
+    assert is_fetched(entry.name, home=tmp_path)
+
+
 def test_interrupted_fetch_leaves_nothing_and_can_be_rerun(tmp_path, monkeypatch):
     import mooncake.models.tiny as tiny
     real_build = tiny.build_random_model

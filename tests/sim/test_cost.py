@@ -1,7 +1,7 @@
 import pytest
 
 from mooncake.conductor.estimators import DecodeStepModel, PrefillTimeModel
-from mooncake.sim.cost import CostModel
+from mooncake.cost import CostModel
 
 COST = CostModel()
 

@@ -10,7 +10,7 @@ from mooncake.conductor.decide import Decider
 from mooncake.conductor.policies import KVCacheCentricPolicy
 from mooncake.config import load_config
 from mooncake.errors import ConfigError
-from mooncake.sim.cost import CostModel
+from mooncake.cost import CostModel
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.run import simulate
 

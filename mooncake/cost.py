@@ -1,10 +1,13 @@
-"""The simulator's cost model (DESIGN section 8), for LLaMA3-70B on nodes of 8 x A800 by default.
+"""The cost model (DESIGN section 8), for LLaMA3-70B on nodes of 8 x A800 by default: what the simulator
+charges, and what the emulated model runner (backends/models/emulated.py) waits instead of computing.
 
 Prefill FLOPs follow FAST'25 Eq. 1, l * (a*n^2*d + b*n*d^2), counted for the uncached part only: a
 prompt of n tokens with r reused costs l * (a*(n^2 - r^2)*d + b*(n - r)*d^2). Decode is memory-bound:
 a step reads the weights once and every batched request's KV."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from mooncake.errors import ModelError
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,14 @@ class CostModel:
     hbm_bytes_per_s: float = 8 * 2.0e12  # 8 GPUs
     decode_efficiency: float = 0.6  # share of HBM bandwidth a decode step achieves
     decode_overhead_s: float = 0.004  # launch and sampling per step
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str) -> "CostModel":
+        """From a table of its fields (an emulated model's [cost]); an unknown key is an error naming it."""
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(values) - known):
+            raise ModelError(f"{where}: unknown cost-model key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**values)
 
     def prefill_flops(self, num_tokens: int, reused_tokens: int = 0) -> float:
         n, r = num_tokens, min(reused_tokens, num_tokens)

@@ -1,0 +1,122 @@
+"""An emulated model: everything real but the arithmetic (as Dynamo's mocker and llm-d's inference
+simulator test routers at scale without GPUs).
+
+The engine, its scheduler, paged KV cache, prefix cache, batching, preemption, KV export and import run
+as they do for a real model. Only `forward` is replaced: it writes small, deterministic KV for the new
+tokens, picks each next token from the last token, its position and a digest of the sequence's KV as it
+lies in the cache (so a block lost or garbled on its way from prefill to decode changes the stream), and
+waits the time the cost model (`mooncake/cost.py`, the one the simulator charges) gives the step on the
+emulated hardware, divided by `engine.emulation_speedup`.
+
+The model directory comes from a spec in configs/models/ (`mooncake model fetch emulated-llama3-70b`):
+its config.json holds the engine-facing shape (vocabulary, context, real KV dims) and the cost model as
+"emulation"."""
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from mooncake.cost import CostModel
+from mooncake.engine.kv_cache import KVSpec
+from mooncake.engine.runner import ForwardBatch, ModelRunner
+from mooncake.errors import ModelError
+
+ALPHABET = "etaoin shrdlucmfwypvbgkq"  # what emulated text is made of, so streams are readable
+KV_MODULUS = 251  # KV values are small integers: exact in every dtype, so digests never depend on it
+
+
+class EmulatedRunner(ModelRunner):
+    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, speedup: float = 1.0):
+        path = Path(model_dir) / "config.json"
+        config = json.loads(path.read_text())
+        if "emulation" not in config:
+            raise ModelError(f"{path}: no 'emulation' table: not an emulated model directory")
+        self.cost = CostModel.from_dict(config["emulation"], f"{path} emulation")
+        self.speedup = speedup
+        self.device, self.dtype = device, dtype
+        self.kv_spec = KVSpec(config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"])
+        self.vocab_size = config["vocab_size"]
+        self.max_position_embeddings = config["max_position_embeddings"]
+        self.eos_token_ids = (config["eos_token_id"],)
+        self.kv_capacity_tokens = config.get("kv_capacity_tokens")
+        tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        self.alphabet = [tokenizer.encode(c, add_special_tokens=False).ids[0] for c in ALPHABET]
+        self.last_modelled_s = 0.0  # the last step's modelled time, before the speedup
+        self.last_busy_s = 0.0  # what the last step really spent before waiting (must stay below the model)
+
+    @classmethod
+    def from_engine_config(cls, model_dir, device, dtype, config) -> "EmulatedRunner":
+        return cls(model_dir, device, dtype, config.emulation_speedup)
+
+    def transfer_seconds(self, num_tokens: int) -> float:
+        """The modelled KV of `num_tokens` over the modelled node's network (the real bytes are small)."""
+        return self.cost.transfer_s(self.cost.kv_bytes(num_tokens)) / self.speedup
+
+    def step_seconds(self, batch: ForwardBatch) -> float:
+        """The step's time on the emulated hardware: decode reads the weights once and every batched
+        sequence's KV; each prefill chunk costs Eq. 1 over its context less what was computed before."""
+        seconds = 0.0
+        if batch.num_decode:
+            context = int(batch.positions[:batch.num_decode].sum()) + batch.num_decode
+            seconds += self.cost.decode_step_s(batch.num_decode, context)
+        for span in batch.prefills:
+            total = len(span.context_slots)
+            seconds += self.cost.prefill_s(total, total - span.num_tokens)
+        return seconds
+
+    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        self.last_modelled_s = self.step_seconds(batch)
+        self._write_kv(batch, kv)
+        logits = self._logits(batch, kv)
+        self.last_busy_s = time.perf_counter() - start
+        if (wait := self.last_modelled_s / self.speedup - self.last_busy_s) > 0:
+            time.sleep(wait)  # on the engine thread, as a real forward would hold it
+        return logits
+
+    def _write_kv(self, batch: ForwardBatch, kv: torch.Tensor) -> None:
+        """Each new token's KV: small integers from its id and position, different per layer and K|V."""
+        base = (batch.input_ids * 31 + batch.positions * 7) % KV_MODULUS
+        shape = (len(base), self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
+        for layer in range(self.kv_spec.num_layers):
+            for which in (0, 1):
+                values = ((base + 2 * layer + which) % KV_MODULUS).to(kv.dtype)
+                kv[layer, which].index_copy_(0, batch.slot_mapping, values[:, None, None].expand(shape))
+
+    def _digests(self, batch: ForwardBatch, kv: torch.Tensor) -> list[int]:
+        """Per token of the flat batch that is sampled: the sum of layer 0's K over its whole context, read
+        from the cache (integers, so exact)."""
+        cells = kv[0, 0, :, 0, 0]
+        digests = {}
+        if batch.num_decode:
+            slots = batch.decode_context_slots
+            lengths = batch.positions[:batch.num_decode] + 1
+            real = torch.arange(slots.shape[1], device=slots.device)[None, :] < lengths[:, None]
+            sums = (cells[slots].to(torch.int64) * real).sum(dim=1).tolist()
+            digests.update(enumerate(sums))
+        for span in batch.prefills:
+            digests[span.start + span.num_tokens - 1] = int(cells[span.context_slots].to(torch.int64).sum())
+        return [digests[i] for i in batch.logits_indices.tolist()]
+
+    def _logits(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+        rows = batch.logits_indices.tolist()
+        # NOTE: finite logits (log-probabilities go out as JSON); the alphabet alone is likely, its pick most.
+        logits = torch.full((len(rows), self.vocab_size), -30.0, dtype=torch.float32, device=self.device)
+        logits[:, self.alphabet] = 0.0
+        tokens, positions = batch.input_ids.tolist(), batch.positions.tolist()
+        for row, (index, digest) in enumerate(zip(rows, self._digests(batch, kv))):
+            pick = _mix(tokens[index], positions[index], digest) % len(self.alphabet)
+            logits[row, self.alphabet[pick]] = 4.0  # greedy takes it; sampling mostly (p ~ 0.7)
+        return logits
+
+
+def _mix(*values: int) -> int:
+    """A small integer hash (splitmix64 steps): the same on every host and Python build."""
+    h = 0x9E3779B97F4A7C15
+    for value in values:
+        h = (h ^ (value & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h

@@ -1,0 +1,38 @@
+"""The emulated LLaMA3-70B served by a whole cluster (every role its own process): the stream through the
+API, across the prefill-to-decode hand-off, is the one the emulated engine gives alone (log-probabilities
+included), and a prefix is reused."""
+
+import pytest
+
+from mooncake.config import EngineConfig
+from mooncake.engine import LLMEngine, SamplingParams
+from tests.e2e.conftest import make_cluster, metrics, post
+
+SPEEDUP = 200.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with make_cluster(tmp_path_factory, "tcp", **{"engine.model": "emulated-llama3-70b", "api.model_name": "emu",
+                                                  "engine.emulation_speedup": SPEEDUP}) as c:
+        yield c
+
+
+def test_the_emulated_model_streams_across_the_hand_off_as_it_does_alone(cluster):
+    prompt = [5 + (i * 7) % 250 for i in range(300)]  # token ids: what a trace replay sends
+    status, reply = post(cluster.url + "/v1/completions", {"model": "emu", "prompt": prompt, "max_tokens": 20,
+                                                           "temperature": 0, "ignore_eos": True,
+                                                           "return_token_ids": True, "logprobs": 1})
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    cfg = cluster.config.engine
+    alone = LLMEngine(EngineConfig(model=cfg.model, block_size=cfg.block_size, prefill_chunk=cfg.prefill_chunk,
+                                   num_kv_blocks=64, emulation_speedup=SPEEDUP))
+    (expected,) = alone.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert choice["token_ids"] == expected.token_ids and len(choice["logprobs"]["token_logprobs"]) == 20
+
+    before = metrics(cluster.url)
+    status, again = post(cluster.url + "/v1/completions", {"model": "emu", "prompt": prompt + [9] * 40,
+                                                           "max_tokens": 4, "temperature": 0})
+    assert status == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 288
+    assert metrics(cluster.url)["mooncake_prompt_tokens_total"] > before["mooncake_prompt_tokens_total"]

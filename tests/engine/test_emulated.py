@@ -1,0 +1,93 @@
+"""The emulated model runner (backends/models/emulated.py): it charges what the cost model says, its
+streams depend on the KV that lies in the cache, and a prefix hit or a KV hand-off leaves the stream as
+it is, as with the real runner. (The engine's contract tests run on it too: tests/engine/test_engine.py.)"""
+
+import dataclasses
+import tomllib
+
+import numpy as np
+import pytest
+
+from mooncake.config import EngineConfig, SimConfig
+from mooncake.cost import CostModel
+from mooncake.engine import LLMEngine, SamplingParams
+from mooncake.hashing import checksum
+from mooncake.models.catalog import CATALOG
+
+NAME = "emulated-llama3-70b"
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    from mooncake.models.fetch import fetch_model
+    return EngineConfig(model=str(fetch_model(NAME)), block_size=16, prefill_chunk=64, num_kv_blocks=512,
+                        emulation_speedup=1000)
+
+
+def run(engine, ids, params=GREEDY, **kwargs):
+    rid = engine.add_request(ids, params, **kwargs)
+    modelled = 0.0
+    while engine.has_unfinished():
+        engine.step()
+        modelled += engine.runner.last_modelled_s
+    return engine.pop_completion(rid), modelled
+
+
+def test_it_charges_eq_1_for_the_uncached_prompt_and_the_decode_step_for_each_token(cfg):
+    engine = LLMEngine(cfg)
+    cost = engine.runner.cost
+    prompt = list(range(3, 203))  # 200 tokens: four chunks of 64 and one of 8
+    out, modelled = run(engine, prompt, SamplingParams(max_tokens=1))
+    assert modelled == pytest.approx(cost.prefill_s(200))  # the chunks' costs add up to the whole prompt's
+    out, modelled = run(engine, prompt + [7] * 40, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert out.num_cached_tokens == 192  # 12 full blocks from the prefix cache
+    decode = cost.decode_step_s(1, 241) + cost.decode_step_s(1, 242)
+    assert modelled == pytest.approx(cost.prefill_s(240, 192) + decode)
+
+
+def test_its_cost_model_and_kv_capacity_are_the_simulators(cfg):
+    spec = tomllib.loads(CATALOG[NAME].spec_path.read_text())
+    sim = SimConfig()
+    assert CostModel.from_dict(spec["cost"], NAME) == CostModel(
+        mfu=sim.mfu, decode_efficiency=sim.decode_efficiency, decode_overhead_s=sim.decode_overhead_s)
+    assert spec["config"]["kv_capacity_tokens"] == sim.decode_kv_tokens
+    sized = LLMEngine(EngineConfig(model=cfg.model, block_size=64, kv_cache_bytes=1 << 20))  # bytes are ignored
+    assert sized.pool.num_blocks == sim.decode_kv_tokens // 64
+
+
+def test_streams_are_deterministic_per_prompt_whatever_the_batch(cfg):
+    engine = LLMEngine(cfg)
+    prompts = [list(range(10 + i, 90 + i)) for i in range(3)]
+    alone = [run(engine, p)[0].token_ids for p in prompts]
+    together = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    assert together == alone and len({tuple(t) for t in alone}) == 3
+    text = engine.tokenizer.decode(alone[0])
+    assert text and set(text) <= set("etaoin shrdlucmfwypvbgkq")
+
+
+def test_a_kv_hand_off_keeps_the_stream_and_other_kv_changes_it(cfg):
+    prefill, decode = LLMEngine(cfg), LLMEngine(cfg)
+    ids = list(range(40, 140))
+    reference = run(LLMEngine(cfg), ids)[0].token_ids
+    rid = prefill.add_request(ids, SamplingParams(max_tokens=1), keep_kv=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    payloads = [type(p).from_bytes(p.to_bytes()) for p in prefill.export_kv(rid)]
+    prefill.pop_completion(rid)
+    handed, _ = run(decode, ids, kv_payloads=payloads)
+    assert handed.num_cached_tokens == 96 and handed.token_ids == reference
+
+    # The same blocks with other (well-formed, checksummed) bytes: the digest of the cache changes the stream.
+    data = np.frombuffer(bytes(payloads[2].data), dtype=np.float32).copy()
+    data[0] = (data[0] + 1) % 251
+    forged = dataclasses.replace(payloads[2], data=data.tobytes(), checksum=checksum(data.tobytes()))
+    changed, _ = run(LLMEngine(cfg), ids, kv_payloads=payloads[:2] + [forged] + payloads[3:])
+    assert changed.num_cached_tokens == 96 and changed.token_ids != reference
+
+
+def test_moving_kv_costs_the_modelled_bytes_over_the_modelled_network(cfg):
+    engine = LLMEngine(cfg)
+    cost = engine.runner.cost
+    assert engine.runner.transfer_seconds(1000) == pytest.approx(1000 * cost.kv_bytes_per_token
+                                                                 / cost.network_bytes_per_s / cfg.emulation_speedup)
