@@ -14,7 +14,7 @@ import msgspec
 from mooncake.errors import MooncakeError
 from mooncake.sampling import TokenLogprob
 
-VERSION = 2  # 2: logprobs on PrefillDone and Tokens, kv_dtype on Register
+VERSION = 2  # 2: logprobs on PrefillDone and Tokens; kv_dtype and time coefficients on Register
 _TYPES: dict[str, type] = {}
 
 
@@ -137,6 +137,9 @@ class Register(Message, tag="register"):
     transport: str = ""  # decode: the transport its KV inbox listens on
     data_address: str = ""
     num_kv_blocks: int = 0
+    # What its steps take, when its runner knows (an emulated model): seeds for the conductor's estimators.
+    prefill_coef: list[float] = []  # c0, c1, c2 of c0 + c1*(n - r) + c2*(n^2 - r^2)
+    decode_coef: list[float] = []  # a, b, c of a + b*batch + c*context
 
 
 class RegisterReply(Message, tag="register_reply"):

@@ -51,6 +51,10 @@ class EmulatedRunner(ModelRunner):
     def from_engine_config(cls, model_dir, device, dtype, config) -> "EmulatedRunner":
         return cls(model_dir, device, dtype, config.emulation_speedup)
 
+    def time_coefficients(self) -> tuple[list[float], list[float]]:
+        return ([c / self.speedup for c in self.cost.prefill_coefficients()],
+                [c / self.speedup for c in self.cost.decode_coefficients()])
+
     def transfer_seconds(self, num_tokens: int) -> float:
         """The modelled KV of `num_tokens` over the modelled node's network (the real bytes are small)."""
         return self.cost.transfer_s(self.cost.kv_bytes(num_tokens)) / self.speedup

@@ -158,6 +158,11 @@ class ControlPlane:
             self.registry.leave(msg.instance_id)
             self._dead(old, "restarted")
         self.registry.register(msg, now)
+        est = self.estimators
+        for model, coef in ((est.prefill_time, msg.prefill_coef), (est.decode_step, msg.decode_coef)):
+            if len(coef) == 3 and model.seed(coef):
+                log.info("%s seeds the %s model: %s", msg.instance_id, type(model).__name__,
+                         ", ".join(f"{c:.3g}" for c in coef))
         self.metrics.up.labels(msg.instance_id, msg.role).set(1)
         self.metrics.kv_total.labels(msg.instance_id).set(msg.num_kv_blocks)
         log.info("%s instance %s joined (%d KV blocks%s)", msg.role, msg.instance_id, msg.num_kv_blocks,

@@ -46,10 +46,14 @@ class Decider:
 
 
 def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_size: int, block_bytes: int,
-                 pool_nodes: frozenset[str], avoid: tuple[str, ...] = ()) -> ClusterView:
+                 pool_nodes: frozenset[str], now: float, avoid: tuple[str, ...] = ()) -> ClusterView:
     """The live instances with the load of the requests in flight on them, and the live cache nodes as the
     only holders a prefix can be fetched from. Instances in `avoid` are left out while another of their
-    role is alive."""
+    role is alive.
+
+    A prefill instance's queue is the predicted prefill time of its requests less what it has done of
+    them: it has worked on them since its last hand-off or since the oldest of them arrived, whichever is
+    later (a batched step serves several at once, so the queue drains as a whole)."""
     def live(role):
         instances = registry.alive(role)
         return [i for i in instances if i.instance_id not in avoid] or instances
@@ -57,7 +61,11 @@ def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_s
     prefills, decodes = [], []
     for instance in live("prefill"):
         queued = [f for r in instance.request_ids if (f := flights.get(r)) is not None and f.in_prefill]
-        prefills.append(PrefillView(instance.instance_id, sum(f.predicted_prefill_s for f in queued), len(queued)))
+        work_s = sum(f.predicted_prefill_s for f in queued)
+        if queued:
+            since = max(instance.last_done_s, min(f.legs[-1].placed_s for f in queued))
+            work_s = max(0.0, work_s - (now - since))
+        prefills.append(PrefillView(instance.instance_id, work_s, len(queued)))
     for instance in live("decode"):
         decodes.append(DecodeView(instance.instance_id, [f.decode_load for r in instance.request_ids
                                                          if (f := flights.get(r)) is not None]))

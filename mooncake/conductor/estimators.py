@@ -7,27 +7,58 @@ import numpy as np
 
 
 class _OnlineLinearModel:
-    """y = coef . features, seeded with coefficients, then refitted by least squares over the most recent
-    samples once there are enough; coefficients stay >= 0 (time never falls as work grows)."""
+    """y = coef . features, seeded with coefficients, then refitted on every sample once there are enough:
+    least squares over the most recent `window` samples, pulled lightly toward the seed (ridge), in
+    constant time per sample. The window's X'X and X'y are running sums (a sample that leaves the window is
+    subtracted; they are summed afresh once per window so rounding never builds up), and features are
+    divided by typical magnitudes so the 3x3 normal equations stay well conditioned. Coefficients stay
+    >= 0 (time never falls as work grows)."""
 
-    def __init__(self, coef: list[float], window: int, min_samples: int):
+    PRIOR_WEIGHT = 1e-3  # of the seed, against the window's samples: enough to keep the fit well posed
+
+    def __init__(self, coef: list[float], window: int, min_samples: int, scale: list[float]):
         self.coef = [float(c) for c in coef]  # plain floats: a prediction is on the scheduler's hot path
-        self._samples: deque = deque(maxlen=window)
-        self.min_samples = min_samples
+        self.scale = np.array(scale, dtype=float)
+        self.prior = np.array(coef, dtype=float) * self.scale  # the seed, in scaled features
+        self.window, self.min_samples = window, min_samples
+        self._samples: deque = deque()
+        self._xtx = np.zeros((len(coef), len(coef)))
+        self._xty = np.zeros(len(coef))
+        self._since_resum = 0
+
+    def seed(self, coef: list[float]) -> bool:
+        """Start from `coef` instead (what an instance says its steps take), unless samples have come."""
+        if self._samples or not all(c >= 0 for c in coef):
+            return False
+        self.coef = [float(c) for c in coef]
+        self.prior = np.array(self.coef) * self.scale
+        return True
 
     def _observe(self, features: list[float], y: float) -> None:
-        self._samples.append((features, y))
+        x = np.asarray(features, dtype=float) / self.scale
+        self._samples.append((x, y))
+        self._xtx += np.outer(x, x)
+        self._xty += x * y
+        if len(self._samples) > self.window:
+            old, old_y = self._samples.popleft()
+            self._xtx -= np.outer(old, old)
+            self._xty -= old * old_y
+        self._since_resum += 1
+        if self._since_resum >= self.window:
+            self._since_resum = 0
+            xs = np.array([x for x, _ in self._samples])
+            self._xtx, self._xty = xs.T @ xs, xs.T @ np.array([t for _, t in self._samples])
         if len(self._samples) >= self.min_samples:
-            x = np.array([f for f, _ in self._samples])
-            coef, *_ = np.linalg.lstsq(x, np.array([t for _, t in self._samples]), rcond=None)
-            self.coef = [max(0.0, float(c)) for c in coef]
+            eye = np.eye(len(self.prior)) * self.PRIOR_WEIGHT
+            scaled = np.linalg.solve(self._xtx + eye, self._xty + self.PRIOR_WEIGHT * self.prior)
+            self.coef = [max(0.0, float(c)) for c in scaled / self.scale]
 
 
 class PrefillTimeModel(_OnlineLinearModel):
     """Prefill seconds for a prompt of n tokens with r reused: c0 + c1*(n - r) + c2*(n^2 - r^2)."""
 
     def __init__(self, c0: float, c1: float, c2: float, window: int = 512, min_samples: int = 16):
-        super().__init__([c0, c1, c2], window, min_samples)
+        super().__init__([c0, c1, c2], window, min_samples, scale=[1.0, 1e3, 1e6])
 
     @staticmethod
     def _features(n: int, r: int) -> list[float]:
@@ -47,7 +78,7 @@ class DecodeStepModel(_OnlineLinearModel):
     """Seconds per decode step: a + b*batch_size + c*context_tokens (0 for an empty batch)."""
 
     def __init__(self, a: float, b: float, c: float, window: int = 512, min_samples: int = 16):
-        super().__init__([a, b, c], window, min_samples)
+        super().__init__([a, b, c], window, min_samples, scale=[1.0, 10.0, 1e4])
 
     def predict(self, batch_size: int, context_tokens: int) -> float:
         if batch_size <= 0:

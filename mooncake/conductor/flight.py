@@ -101,6 +101,8 @@ class Flight:
     num_legs: int = 0
     ended: bool = False  # it reached its terminal state (Conductor._end)
     ttft_s: float = 0.0
+    predicted_ttft_s: float = 0.0  # at its first placement
+    predicted_tbt_s: float = 0.0
     gaps_s: list[float] = field(default_factory=list)  # between consecutive token messages
     legs: list[Leg] = field(default_factory=list)
     token_times_s: list[float] = field(default_factory=list)  # when each token message came

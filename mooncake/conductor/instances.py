@@ -18,6 +18,7 @@ class Instance:
     is_alive: bool = True
     last_seq: int = 0  # of its last heartbeat
     request_ids: set[str] = field(default_factory=set)  # in flight here
+    last_done_s: float = 0.0  # prefill: when it last handed a request off (it works on the rest since)
 
 
 class InstanceRegistry:

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 disable_created_metrics()  # the *_created series only add noise to a scrape
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.25, 1.5, 2, 4)
 
 
 class ConductorMetrics:
@@ -30,6 +31,13 @@ class ConductorMetrics:
                              "finished", buckets=LATENCY_BUCKETS_S + (120, 300), registry=r)
         self.queue = Histogram("mooncake_queue_seconds", "Prefill-side wait: receipt to hand-off less compute "
                                "and pool reads", buckets=LATENCY_BUCKETS_S, registry=r)
+        # NOTE: predicted / measured of each request that stayed on its first placement: 1 is a prediction
+        # that held; the admission policy is only as good as this.
+        self.ttft_prediction = Histogram("mooncake_ttft_prediction_ratio", "Predicted over measured time to "
+                                         "first token, per request", buckets=RATIO_BUCKETS, registry=r)
+        self.tbt_prediction = Histogram("mooncake_tbt_prediction_ratio", "Predicted decode step time over the "
+                                        "measured mean time between tokens, per request", buckets=RATIO_BUCKETS,
+                                        registry=r)
         self.slo = Counter("mooncake_slo_requests", "Finished requests by whether they met both SLOs (TTFT, and "
                            "TBT as the mean of a request's slowest 10% of gaps): goodput", ["within_slo"],
                            registry=r)

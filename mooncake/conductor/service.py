@@ -163,10 +163,13 @@ class Conductor:
         remaining = flight.params.max_tokens - len(flight.generated)
         view = RequestView(flight.request_id, len(tokens), tuple(hashes), remaining, now)
         pool_nodes = self.pool.live_ids if self.pool is not None else frozenset()
-        cluster = cluster_view(self.registry, self.flights, self.block_size, self.block_bytes, pool_nodes, avoid)
+        cluster = cluster_view(self.registry, self.flights, self.block_size, self.block_bytes, pool_nodes, now,
+                               avoid)
         p = self.decider.decide(view, cluster, now, admit)
         flight.num_legs += 1
         flight.num_wire_ids += 1
+        if flight.num_legs == 1:
+            flight.predicted_ttft_s, flight.predicted_tbt_s = p.ttft_s, p.tbt_s
         # NOTE: a new id per leg: a late report or Cancel of an old leg never touches the new one.
         n = flight.num_wire_ids
         flight.wire_id = flight.request_id if n == 1 else f"{flight.request_id}.{n - 1}"
@@ -213,6 +216,8 @@ class Conductor:
             if last is None:
                 flight.ttft_s = now - started
                 self.metrics.ttft.observe(flight.ttft_s)
+                if flight.num_legs == 1 and flight.ttft_s > 0:
+                    self.metrics.ttft_prediction.observe(flight.predicted_ttft_s / flight.ttft_s)
             else:
                 self.metrics.tbt.observe(now - last)
                 flight.gaps_s.append(now - last)
@@ -258,6 +263,8 @@ class Conductor:
         p = flight.placement
         flight.in_prefill = False
         self._let_go(flight, p.prefill_id, cancel=False)  # it released the request itself
+        if (instance := self.registry.get(p.prefill_id)) is not None:
+            instance.last_done_s = self.clock()
         leg = flight.legs[-1]
         leg.prefill_done_s, leg.fetch_s, leg.compute_s, leg.kv_transfer_s = (
             self.clock(), done.fetch_seconds, done.compute_seconds, done.kv_seconds)
@@ -340,6 +347,8 @@ class Conductor:
         self.timelines.record(flight, outcome, self.clock())
         if outcome == "ok":
             self.metrics.e2e.observe(self.clock() - flight.admitted_s)
+            if flight.num_legs == 1 and flight.gaps_s and (mean_gap := sum(flight.gaps_s) / len(flight.gaps_s)) > 0:
+                self.metrics.tbt_prediction.observe(flight.predicted_tbt_s / mean_gap)
             self.metrics.slo.labels(str(self._within_slo(flight)).lower()).inc()
 
     def _hold(self, flight: Flight, instance_id: str) -> None:

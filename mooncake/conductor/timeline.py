@@ -34,10 +34,11 @@ class Timelines:
                        if first and first.first_decode_token_s and first.prefill_done_s else 0.0)
         # NOTE: one line per request, key=value, for log search (the request id is the one instances log).
         log.info("request %s outcome=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft_s=%.3f "
-                 "e2e_s=%.3f legs=%d queue_s=%.3f fetch_s=%.3f compute_s=%.3f kv_transfer_s=%.3f "
+                 "predicted_ttft_s=%.3f predicted_tbt_s=%.4f e2e_s=%.3f legs=%d queue_s=%.3f fetch_s=%.3f compute_s=%.3f kv_transfer_s=%.3f "
                  "decode_admission_s=%.3f tbt_mean_s=%.4f tbt_max_s=%.4f prefill=%s decode=%s",
                  flight.request_id, outcome, len(flight.prompt_token_ids), flight.num_cached_tokens,
-                 len(flight.generated), flight.ttft_s, end_s - flight.admitted_s, flight.num_legs,
+                 len(flight.generated), flight.ttft_s, flight.predicted_ttft_s, flight.predicted_tbt_s,
+                 end_s - flight.admitted_s, flight.num_legs,
                  first.queue_s if first else 0.0, first.fetch_s if first else 0.0, first.compute_s if first else 0.0,
                  first.kv_transfer_s if first else 0.0, admission_s, tbt_mean, tbt_max,
                  flight.legs[-1].prefill_id if first else "-", flight.legs[-1].decode_id if first else "-")

@@ -48,6 +48,13 @@ class ModelRunner(ABC):
     """Tokens of KV the modelled hardware holds, for a runner that emulates it (the engine then sizes its
     cache to that, not to engine.kv_cache_bytes); None: the cache is sized by bytes."""
 
+    def time_coefficients(self) -> tuple[list[float], list[float]] | None:
+        """What this runner's steps take, when it knows without measuring (an emulated runner: its cost
+        model): prefill seconds c0 + c1*(n - r) + c2*(n^2 - r^2) and decode step seconds a + b*batch +
+        c*context, as ([c0, c1, c2], [a, b, c]). Instances send them when they register and the conductor
+        seeds its estimators with them. None: the conductor starts from its configured seeds."""
+        return None
+
     def transfer_seconds(self, num_tokens: int) -> float:
         """Time that moving `num_tokens` of KV over the network costs beyond moving the real bytes: an
         emulated runner's KV is smaller than the KV it models. 0 for a real runner."""

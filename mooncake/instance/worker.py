@@ -43,10 +43,12 @@ class Worker:
         self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
         self.loop = EngineLoop(self.engine, self.on_outputs, self.on_failed)
         await self.start_role()
+        prefill_coef, decode_coef = self.engine.runner.time_coefficients() or ([], [])
         register = m.Register(instance_id=self.instance_id, role=self.role, model_id=self.engine.model.model_id,
                               block_size=self.engine.block_size, kv_dtype=self.config.engine.kv_dtype,
                               transport=self.config.instance.transport,
-                              data_address=self.data_address, num_kv_blocks=self.engine.pool.num_blocks)
+                              data_address=self.data_address, num_kv_blocks=self.engine.pool.num_blocks,
+                              prefill_coef=prefill_coef, decode_coef=decode_coef)
         self.link = ConductorLink(self.config.instance.conductor_address, register, self.heartbeat,
                                   self.on_message, self.supervisor, on_registered=self.on_registered)
         self.loop.start()

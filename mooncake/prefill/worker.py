@@ -171,15 +171,21 @@ class PrefillWorker(Worker):
         return payloads
 
     async def on_outputs(self, outputs) -> None:
-        # Every request that computed in this step, finished or mid-prompt, streams what just filled.
+        # Every request that computed in this step, finished or mid-prompt, streams what just filled. A
+        # step that computed several is charged to each by its share of the step's tokens: the conductor
+        # fits its prefill model to these times, and charging each the whole step would bias it upward.
+        forwarded = []
         for job in self.jobs.values():
             seq = self.engine.seqs.get(job.msg.request_id)
-            if job.first_token is None and seq is not None:
-                if seq.num_forwarded_tokens > job.num_forwarded:
-                    job.num_forwarded = seq.num_forwarded_tokens
-                    job.compute_seconds += self.loop.last_step_s
-                if self.config.instance.stream_kv:
-                    self._push_new_blocks(job)
+            if job.first_token is None and seq is not None and seq.num_forwarded_tokens > job.num_forwarded:
+                forwarded.append((job, seq.num_forwarded_tokens - job.num_forwarded))
+                job.num_forwarded = seq.num_forwarded_tokens
+        total = sum(n for _, n in forwarded)
+        for job, num_tokens in forwarded:
+            job.compute_seconds += self.loop.last_step_s * num_tokens / total
+        for job in self.jobs.values():
+            if job.first_token is None and job.msg.request_id in self.engine.seqs and self.config.instance.stream_kv:
+                self._push_new_blocks(job)
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None and out.finished:

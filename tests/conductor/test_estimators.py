@@ -50,3 +50,23 @@ def test_prefix_index():
     assert index.prefix_len([1, 2, 3], "b") == 2 and index.prefix_len([1], "c") == 0
     index.drop_holder("a")
     assert index.longest_prefix([1, 2, 3]) == (2, "b") and len(index) == 3
+
+
+def test_the_fit_follows_the_last_window_only():
+    """Samples that left the window no longer count: a box that became twice as slow is learnt within a
+    window (the running sums subtract what leaves and are summed afresh once per window)."""
+    model = PrefillTimeModel(0.0, 1e-3, 0.0, window=32, min_samples=8)
+    rng = random.Random(1)
+    for slow in (1.0, 2.0):
+        for _ in range(100):
+            n = rng.randint(100, 8000)
+            model.observe(n, 0, slow * (0.02 + 2e-4 * n + 1e-8 * n * n))
+    assert model.predict(4000) == pytest.approx(2 * (0.02 + 2e-4 * 4000 + 1e-8 * 4000**2), rel=1e-3)
+
+
+def test_an_instance_may_seed_a_model_until_samples_come():
+    model = DecodeStepModel(0.01, 0.0, 0.0, min_samples=2)
+    assert model.seed([0.03, 0.001, 1e-6]) and model.predict(4, 1000) == pytest.approx(0.03 + 0.004 + 0.001)
+    model.observe(4, 1000, 0.05)
+    assert not model.seed([1.0, 1.0, 1.0])  # measured samples win over what an instance says
+    assert not DecodeStepModel(0.01, 0.0, 0.0).seed([0.01, -1.0, 0.0])  # nonsense is ignored

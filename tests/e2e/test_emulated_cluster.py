@@ -36,3 +36,9 @@ def test_the_emulated_model_streams_across_the_hand_off_as_it_does_alone(cluster
                                                            "max_tokens": 4, "temperature": 0})
     assert status == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 288
     assert metrics(cluster.url)["mooncake_prompt_tokens_total"] > before["mooncake_prompt_tokens_total"]
+
+
+def test_emulated_instances_seed_the_conductors_estimators_with_their_cost_model(cluster):
+    log = (cluster.workdir / "conductor.log").read_text()
+    assert "seeds the PrefillTimeModel" in log and "seeds the DecodeStepModel" in log
+    assert "mooncake_ttft_prediction_ratio_count" in "".join(metrics(cluster.url))
