@@ -120,6 +120,9 @@ def dev_defaults() -> dict:
 def dev(
     prefill: int = typer.Option(1, "--prefill", "-P", help="Prefill instances."),
     decode: int = typer.Option(1, "--decode", "-D", help="Decode instances."),
+    colocated: int = typer.Option(0, "--colocated", help="Run the colocated baseline instead: this many "
+                                  "instances, each prefilling and decoding its requests itself (vLLM-like), "
+                                  "placed by the same conductor (conductor.mode = colocated)."),
     cache: int = typer.Option(1, "--cache", "-C", help="Cache nodes (0: no shared KVCache pool)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Catalog name or local Hugging Face "
                                         "directory. Default: the config's engine.model (SmolLM2-135M-Instruct)."),
@@ -154,6 +157,9 @@ def dev(
         overrides["engine.dtype"] = dtype
     if speedup:
         overrides["engine.emulation_speedup"] = speedup
+    if colocated:
+        overrides["conductor.mode"] = "colocated"
+        prefill, decode = 0, colocated
     if model:
         overrides["engine.model"] = model
     if transport:

@@ -151,6 +151,7 @@ class ConductorConfig:
     """The conductor (mooncake/conductor/): placement, early rejection, their SLOs and seeds, and how it
     keeps track of its instances."""
 
+    mode: str = "disaggregated"  # or "colocated": the baseline, each request whole on one decode-role instance
     placement: str = "kvcache-centric"  # or local-cache-aware, least-loaded, round-robin, random
     admission: str = "predictive"  # or early, ttft-only, accept-all
     balancing_threshold: float = 2.0  # fetch the pool's longer prefix when it is this many times the local one
@@ -177,6 +178,8 @@ class ConductorConfig:
     bandwidth_bytes_per_s: float = 1e9
 
     def __post_init__(self):
+        _check(self.mode in ("disaggregated", "colocated"), "conductor.mode",
+               f"must be 'disaggregated' or 'colocated', got {self.mode!r}")
         _check_known("placement", self.placement, "conductor.placement")
         _check_known("admission", self.admission, "conductor.admission")
         for key in ("balancing_threshold", "ttft_slo_s", "tbt_slo_s", "heartbeat_interval_s",

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,10 +40,21 @@ def _die_with_parent() -> None:
         pass
 
 
+# NOTE: below Linux's ephemeral range (32768-60999): a port chosen here stays free until its role binds
+# it, while the other roles bind port 0 for their own endpoints (which could take it otherwise).
+DEV_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port that no endpoint binding port 0 will be given meanwhile."""
+    for _ in range(200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", random.choice(DEV_PORTS)))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise MooncakeError(f"no free port in {DEV_PORTS.start}-{DEV_PORTS.stop - 1} on 127.0.0.1")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -76,8 +88,12 @@ class Process:
 class DevCluster:
     def __init__(self, config: MooncakeConfig, num_prefill: int = 1, num_decode: int = 1, num_cache: int = 1,
                  workdir: Path | None = None, log_to_files: bool = False):
-        if num_prefill < 1 or num_decode < 1 or num_cache < 0:
-            raise MooncakeError("a cluster needs at least one prefill and one decode instance")
+        colocated = config.conductor.mode == "colocated"
+        if num_decode < 1 or num_cache < 0 or (num_prefill < 1 and not colocated):
+            raise MooncakeError("a cluster needs at least one prefill and one decode instance"
+                                if not colocated else "a colocated cluster needs at least one instance")
+        if colocated and num_prefill:
+            raise MooncakeError("a colocated cluster has no prefill instances: its instances prefill themselves")
         if config.api.port:
             check_port_free(config.api.host, config.api.port)
         self.is_own_workdir = workdir is None  # a temp directory of ours: removed on stop

@@ -125,7 +125,7 @@ class ApiServer:
 
     async def health(self, request):
         instances = self.conductor.health()
-        ok = bool(instances["prefill"] and instances["decode"])
+        ok = bool(instances["decode"] and (instances["prefill"] or instances["mode"] == "colocated"))
         return web.json_response({"status": "ok" if ok else "unavailable", **instances}, status=200 if ok else 503)
 
     async def metrics(self, request):

@@ -14,6 +14,7 @@ import time
 import uuid
 
 from mooncake import messages as m
+from mooncake.conductor.colocated import place_colocated
 from mooncake.conductor.control import ControlPlane
 from mooncake.conductor.decide import Decider, cluster_view
 from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
@@ -25,7 +26,7 @@ from mooncake.conductor.policies import Estimators
 from mooncake.conductor.pool_watch import PoolWatcher
 from mooncake.conductor.timeline import Timelines
 from mooncake.conductor.prefix_index import PrefixIndex
-from mooncake.conductor.view import DecodeLoad, RequestView
+from mooncake.conductor.view import DecodeLoad, Placement, RequestView
 from mooncake.config import MooncakeConfig
 from mooncake.hashing import hash_blocks, make_namespace
 from mooncake.models import resolve_model
@@ -111,7 +112,7 @@ class Conductor:
 
     def health(self) -> dict:
         return {role: [i.instance_id for i in self.registry.alive(role)] for role in ("prefill", "decode")} | {
-            "cache": sorted(self.pool.node_ids.values()) if self.pool else []}
+            "cache": sorted(self.pool.node_ids.values()) if self.pool else [], "mode": self.cfg.mode}
 
     # -- the request path ---------------------------------------------------------------------------
 
@@ -159,26 +160,20 @@ class Conductor:
         """Place the request's next leg (its prompt and every token streamed so far) and send `Prefill`."""
         now = self.clock()
         tokens = flight.leg_token_ids
-        hashes = hash_blocks(tokens, self.block_size, self.namespace)
         remaining = flight.params.max_tokens - len(flight.generated)
+        if self.cfg.mode == "colocated":
+            return await self._start_colocated_leg(flight, tokens, remaining, now, avoid)
+        hashes = hash_blocks(tokens, self.block_size, self.namespace)
         view = RequestView(flight.request_id, len(tokens), tuple(hashes), remaining, now)
         pool_nodes = self.pool.live_ids if self.pool is not None else frozenset()
         cluster = cluster_view(self.registry, self.flights, self.block_size, self.block_bytes, pool_nodes, now,
                                avoid)
         p = self.decider.decide(view, cluster, now, admit)
-        flight.num_legs += 1
-        flight.num_wire_ids += 1
-        if flight.num_legs == 1:
-            flight.predicted_ttft_s, flight.predicted_tbt_s = p.ttft_s, p.tbt_s
-        # NOTE: a new id per leg: a late report or Cancel of an old leg never touches the new one.
-        n = flight.num_wire_ids
-        flight.wire_id = flight.request_id if n == 1 else f"{flight.request_id}.{n - 1}"
-        flight.block_hashes, flight.placement, flight.in_prefill, flight.is_decode_sent = hashes, p, True, False
+        self._new_leg(flight, p, now)
+        flight.block_hashes, flight.is_decode_sent = hashes, False
         flight.predicted_prefill_s = self.estimators.prefill_time.predict(len(tokens), p.reuse_blocks * self.block_size)
         start = now + p.ttft_s
         flight.decode_load = DecodeLoad(start, start + remaining * max(p.tbt_s, 1e-3), len(tokens) + remaining)
-        self.flights[flight.wire_id] = flight
-        flight.legs.append(Leg(flight.wire_id, p.prefill_id, p.decode_id, p.reuse_blocks, now))
         # NOTE: a request that ends with its first token never reaches decode, so it ships no KV there.
         ships_kv = remaining > 1
         self._hold(flight, p.prefill_id)
@@ -193,6 +188,30 @@ class Conductor:
                 reuse_blocks=p.reuse_blocks, deadline_s=max(0.01, min(self.cfg.prefill_timeout_s, time_left_s)))):
             raise LegFailed(f"prefill instance {p.prefill_id} is unreachable", (p.prefill_id,))
 
+    async def _start_colocated_leg(self, flight: Flight, tokens: list[int], remaining: int, now: float,
+                                   avoid: tuple[str, ...]) -> None:
+        """The colocated baseline: the whole request to one instance, which prefills and decodes it."""
+        p = place_colocated(self.registry, self.flights, avoid)
+        self._new_leg(flight, p, now)
+        flight.block_hashes, flight.is_decode_sent = [], True
+        self._hold(flight, p.decode_id)
+        if not await self.control.send(p.decode_id, m.Decode(
+                request_id=flight.wire_id, token_ids=tokens, block_hashes=[],
+                sampling=wire_sampling(flight.params, max_tokens=remaining))):
+            raise LegFailed(f"instance {p.decode_id} is unreachable", (p.decode_id,))
+
+    def _new_leg(self, flight: Flight, p: Placement, now: float) -> None:
+        flight.num_legs += 1
+        flight.num_wire_ids += 1
+        if flight.num_legs == 1:
+            flight.predicted_ttft_s, flight.predicted_tbt_s = p.ttft_s, p.tbt_s
+        # NOTE: a new id per leg: a late report or Cancel of an old leg never touches the new one.
+        n = flight.num_wire_ids
+        flight.wire_id = flight.request_id if n == 1 else f"{flight.request_id}.{n - 1}"
+        flight.placement, flight.in_prefill = p, True
+        self.flights[flight.wire_id] = flight
+        flight.legs.append(Leg(flight.wire_id, p.prefill_id, p.decode_id, p.reuse_blocks, now))
+
     async def _run(self, flight: Flight):
         detok = IncrementalDetokenizer(self.tokenizer, flight.params.stop)
         started, last = self.clock(), None
@@ -204,6 +223,7 @@ class Conductor:
                     logprobs = None if msg.first_logprob is None else [msg.first_logprob]
                 else:
                     token_ids, reason, logprobs = msg.token_ids, msg.finish_reason, msg.logprobs
+                    flight.in_prefill = False  # colocated: the instance's first report is its first token
                     if flight.legs[-1].first_decode_token_s is None:
                         flight.legs[-1].first_decode_token_s = self.clock()
                     if reason is not None:
@@ -216,7 +236,7 @@ class Conductor:
             if last is None:
                 flight.ttft_s = now - started
                 self.metrics.ttft.observe(flight.ttft_s)
-                if flight.num_legs == 1 and flight.ttft_s > 0:
+                if flight.num_legs == 1 and flight.ttft_s > 0 and flight.predicted_ttft_s > 0:
                     self.metrics.ttft_prediction.observe(flight.predicted_ttft_s / flight.ttft_s)
             else:
                 self.metrics.tbt.observe(now - last)
@@ -347,7 +367,7 @@ class Conductor:
         self.timelines.record(flight, outcome, self.clock())
         if outcome == "ok":
             self.metrics.e2e.observe(self.clock() - flight.admitted_s)
-            if flight.num_legs == 1 and flight.gaps_s and (mean_gap := sum(flight.gaps_s) / len(flight.gaps_s)) > 0:
+            if flight.num_legs == 1 and flight.predicted_tbt_s > 0 and flight.gaps_s and (mean_gap := sum(flight.gaps_s) / len(flight.gaps_s)) > 0:
                 self.metrics.tbt_prediction.observe(flight.predicted_tbt_s / mean_gap)
             self.metrics.slo.labels(str(self._within_slo(flight)).lower()).inc()
 

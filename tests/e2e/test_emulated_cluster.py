@@ -42,3 +42,23 @@ def test_emulated_instances_seed_the_conductors_estimators_with_their_cost_model
     log = (cluster.workdir / "conductor.log").read_text()
     assert "seeds the PrefillTimeModel" in log and "seeds the DecodeStepModel" in log
     assert "mooncake_ttft_prediction_ratio_count" in "".join(metrics(cluster.url))
+
+
+def test_the_colocated_baseline_serves_the_same_stream_from_one_instance(tmp_path_factory):
+    settings = {"engine.model": "emulated-llama3-70b", "api.model_name": "emu", "conductor.mode": "colocated",
+                "engine.emulation_speedup": SPEEDUP}
+    prompt = [5 + (i * 11) % 250 for i in range(200)]
+    body = {"model": "emu", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with make_cluster(tmp_path_factory, "tcp", num_prefill=0, num_decode=2, **settings) as colocated:
+        status, reply = post(colocated.url + "/v1/completions", body)
+        assert status == 200, reply
+        status, again = post(colocated.url + "/v1/completions", {**body, "prompt": prompt + [7] * 20})
+        assert status == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # no pool
+        served = metrics(colocated.url)
+    cfg = colocated.config.engine
+    alone = LLMEngine(EngineConfig(model=cfg.model, block_size=cfg.block_size, prefill_chunk=cfg.prefill_chunk,
+                                   num_kv_blocks=64, emulation_speedup=SPEEDUP))
+    (expected,) = alone.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))
+    assert reply["choices"][0]["token_ids"] == expected.token_ids
+    assert not any(k.startswith("mooncake_prefill_computed_tokens_total") for k in served)  # no prefill role
