@@ -1,0 +1,21 @@
+"""scripts/bench_goodput.py on a handful of requests: it replays them through live Mooncake and live
+colocated clusters of the emulated model and through the simulator, and every request gets an answer."""
+
+import json
+import subprocess
+import sys
+
+
+def test_a_small_goodput_replay_serves_every_request_live_and_simulated(tmp_path):
+    out = tmp_path / "goodput.json"
+    run = subprocess.run([sys.executable, "scripts/bench_goodput.py", "--requests", "8", "--prefill", "1",
+                          "--decode", "1", "--speedup", "20", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for where in ("live", "sim"):
+        for mode in ("mooncake", "colocated"):
+            figures = result[where][mode]["1"]
+            assert figures["requests"] == 8 and figures["failed"] == 0, (where, mode, figures)
+            assert set(figures["goodput"]) == {"0.1", "0.2", "0.3"} and figures["ttft_mean_s"] > 0
+    assert result["live"]["mooncake"]["1"]["prediction_ratio"]["count"] >= 1
