@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import statistics
 import sys
@@ -116,6 +117,12 @@ def prediction_ratios(url: str) -> dict:
     return {"count": total, "median_upper_bound": median, "cumulative": dict(buckets)}
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def live(mode: str, trace, args, rate: float) -> dict:
     colocated = mode == "colocated"
     settings = {
@@ -129,12 +136,18 @@ def live(mode: str, trace, args, rate: float) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"goodput-{mode}-"))
     num_prefill, num_decode = (0, args.prefill + args.decode) if colocated else (args.prefill, args.decode)
     with DevCluster(config, num_prefill, num_decode, 0 if colocated else 1, workdir, log_to_files=True) as cluster:
+        before = {p.name: cpu_seconds(p.pid) for p in cluster.processes}
         started = time.monotonic()
         outcomes = asyncio.run(replay(cluster.url, trace, rate, args.speedup, args.timeout))
         wall_s = time.monotonic() - started
+        used = {p.name: cpu_seconds(p.pid) - before[p.name] for p in cluster.processes}
         result = figures(outcomes, trace[-1].timestamp_ms / 1000 / rate or 1.0)
         result["prediction_ratio"] = prediction_ratios(cluster.url)
     result["wall_s"] = wall_s
+    # NOTE: where the box's CPU went: when it is all used, live timings fall behind the modelled ones.
+    result["cpu_s"] = {"conductor": used.get("conductor", 0.0), "all": sum(used.values()),
+                       "conductor_ms_per_request": 1e3 * used.get("conductor", 0.0) / len(trace),
+                       "box_share": sum(used.values()) / wall_s / os.cpu_count()}
     return result
 
 
@@ -195,6 +208,10 @@ def main() -> None:
                 g = r["goodput"]
                 print(f"{rate:>5g} {where + ' ' + mode:>20} {g['0.1']:>9.3f} {g['0.2']:>9.3f} {g['0.3']:>9.3f} "
                       f"{r['ttft_mean_s']:>10.2f} {r['ttft_p99_s']:>9.2f} {r['rejected']:>5} {r['failed']:>6}")
+        for mode in ("mooncake", "colocated"):
+            cpu = results["live"][mode][f"{rate:g}"]["cpu_s"]
+            print(f"  live {mode}: conductor {cpu['conductor_ms_per_request']:.1f} CPU ms per request; every role "
+                  f"together used {cpu['box_share']:.0%} of the box's CPUs while replaying")
         ratio = results["live"]["mooncake"][f"{rate:g}"]["prediction_ratio"]
         print(f"  live Mooncake at rate {rate:g}: predicted/measured TTFT of {ratio['count']:.0f} requests, "
               f"median <= {ratio['median_upper_bound']}; cumulative by bucket: {ratio['cumulative']}")

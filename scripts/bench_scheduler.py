@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Scheduler benchmark: placement (+ admission) decisions per second and latency percentiles for the
 KVCache-centric policy with 64 prefill and 64 decode instances and a 1M-block prefix index, beside the
-random policy (the cheapest possible decision) in the same run. Prints a table, writes JSON."""
+random policy (the cheapest possible decision) in the same run. Also what else the conductor does per
+request: building the cluster view over the requests in flight, and an estimator update (beside a full
+least-squares refit over the window, what each update cost before). Prints a table, writes JSON."""
 
 import argparse
 import json
@@ -76,6 +78,52 @@ def run(policy_name: str, index, cluster, reqs) -> dict:
             "p99_ms": latencies[int(len(latencies) * 0.99)] * 1e3}
 
 
+def estimator_update_us(samples: int = 5000, window: int = 512) -> dict:
+    """Microseconds per prefill-model update: ours (running sums) and a full refit over the window."""
+    import numpy as np
+    rng = random.Random(2)
+    data = [(n := rng.randint(100, 60000), r := rng.randint(0, n), 0.02 + 2e-4 * (n - r) + 1e-8 * (n * n - r * r))
+            for _ in range(samples)]
+    model = PrefillTimeModel(0.02, 2e-3, 1e-7, window=window)
+    start = time.perf_counter()
+    for n, r, y in data:
+        model.observe(n, r, y)
+    ours = (time.perf_counter() - start) / samples * 1e6
+    rows: list = []
+    start = time.perf_counter()
+    for n, r, y in data:
+        rows = (rows + [([1.0, n - r, n * n - r * r], y)])[-window:]
+        np.linalg.lstsq(np.array([f for f, _ in rows]), np.array([t for _, t in rows]), rcond=None)
+    full = (time.perf_counter() - start) / samples * 1e6
+    return {"running_sums_us": ours, "full_refit_us": full}
+
+
+def cluster_view_ms(num_prefill: int, num_decode: int, per_instance: int = 16, repeat: int = 200) -> float:
+    """Milliseconds to build the live conductor's view with `per_instance` requests on every instance."""
+    from mooncake import messages as m
+    from mooncake.conductor.decide import cluster_view
+    from mooncake.conductor.flight import Flight, Leg
+    from mooncake.conductor.instances import InstanceRegistry
+    from mooncake.sampling import SamplingParams
+    registry, flights = InstanceRegistry(1e9), {}
+    for role, count in (("prefill", num_prefill), ("decode", num_decode)):
+        for i in range(count):
+            registry.register(m.Register(instance_id=f"{role}-{i}", role=role, model_id="x", block_size=64,
+                                         kv_dtype="bfloat16"), 0.0)
+    for i in range(num_prefill * per_instance):
+        wire = f"r{i}"
+        flight = Flight(wire, [1], SamplingParams(), 0.0, 1e9, wire_id=wire, predicted_prefill_s=1.0,
+                        in_prefill=i % 2 == 0, decode_load=DecodeLoad(0.0, 100.0, 8000))
+        flight.legs.append(Leg(wire, f"prefill-{i % num_prefill}", f"decode-{i % num_decode}", 0, 0.0))
+        flights[wire] = flight
+        registry.get(f"prefill-{i % num_prefill}").request_ids.add(wire)
+        registry.get(f"decode-{i % num_decode}").request_ids.add(wire)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        cluster_view(registry, flights, 64, 1 << 20, frozenset(), now=5.0)
+    return (time.perf_counter() - start) / repeat * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefill", type=int, default=64)
@@ -96,9 +144,15 @@ def main() -> None:
     ours, base = results["kvcache-centric"], results["random"]
     print(f"\nkvcache-centric: {ours['decisions_per_s'] / base['decisions_per_s']:.2f}x the random policy's rate; "
           f"goal >= 5,000 decisions/s and p99 <= 1 ms")
+    updates = estimator_update_us()
+    view_ms = cluster_view_ms(args.prefill, args.decode)
+    print(f"estimator update: {updates['running_sums_us']:.1f} us (a full refit over the window: "
+          f"{updates['full_refit_us']:.1f} us, {updates['full_refit_us'] / updates['running_sums_us']:.1f}x); "
+          f"cluster view over {args.prefill * 16} requests in flight: {view_ms:.3f} ms")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    out.write_text(json.dumps({"args": vars(args), "results": results, "estimator_update": updates,
+                               "cluster_view_ms": view_ms}, indent=2))
     print(f"wrote {out}")
 
 
