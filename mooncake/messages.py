@@ -164,6 +164,7 @@ class Heartbeat(Message, tag="heartbeat"):
     num_kv_blocks: int = 0
     num_inbox_blocks: int = 0  # decode: KV blocks pushed to it that no request has claimed yet
     step_samples: list[tuple[int, int, float]] = []  # decode: [batch, context tokens, seconds] per step
+    emulated_steps: list[tuple[float, float]] = []  # an emulated runner: [modelled, measured seconds] per step
     cached_blocks: list[int] = []  # prefill: hashes newly in its local prefix cache
     evicted_blocks: list[int] = []
     is_snapshot: bool = False  # cached_blocks is its whole prefix cache (after it registered, or a Resync)

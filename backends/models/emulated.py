@@ -74,10 +74,11 @@ class EmulatedRunner(ModelRunner):
     def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         self.last_modelled_s = self.step_seconds(batch)
+        self.modelled_step_s = self.last_modelled_s / self.speedup
         self._write_kv(batch, kv)
         logits = self._logits(batch, kv)
         self.last_busy_s = time.perf_counter() - start
-        if (wait := self.last_modelled_s / self.speedup - self.last_busy_s) > 0:
+        if (wait := self.modelled_step_s - self.last_busy_s) > 0:
             time.sleep(wait)  # on the engine thread, as a real forward would hold it
         return logits
 

@@ -187,6 +187,8 @@ class ControlPlane:
         for batch, context, seconds in msg.step_samples:
             if instance.role == "decode":
                 self.estimators.decode_step.observe(batch, context, seconds)
+        for modelled, measured in msg.emulated_steps:
+            self.metrics.emulated_step.labels(instance.role).observe(measured / modelled)
         i = instance.instance_id
         self.metrics.waiting.labels(i).set(msg.num_waiting)
         self.metrics.running.labels(i).set(msg.num_running)

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 disable_created_metrics()  # the *_created series only add noise to a scrape
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+STEP_RATIO_BUCKETS = (1.0, 1.01, 1.02, 1.05, 1.1, 1.25, 1.5, 2, 4, 8)
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.25, 1.5, 2, 4)
 
 
@@ -38,6 +39,10 @@ class ConductorMetrics:
         self.tbt_prediction = Histogram("mooncake_tbt_prediction_ratio", "Predicted decode step time over the "
                                         "measured mean time between tokens, per request", buckets=RATIO_BUCKETS,
                                         registry=r)
+        self.emulated_step = Histogram("mooncake_emulated_step_ratio", "An emulated instance's measured over "
+                                       "modelled step time (from the step's start to the end of its outputs' "
+                                       "handling): above 1, this box falls behind the emulated hardware",
+                                       ["role"], buckets=STEP_RATIO_BUCKETS, registry=r)
         self.slo = Counter("mooncake_slo_requests", "Finished requests by whether they met both SLOs (TTFT, and "
                            "TBT as the mean of a request's slowest 10% of gaps): goodput", ["within_slo"],
                            registry=r)

@@ -48,6 +48,10 @@ class ModelRunner(ABC):
     """Tokens of KV the modelled hardware holds, for a runner that emulates it (the engine then sizes its
     cache to that, not to engine.kv_cache_bytes); None: the cache is sized by bytes."""
 
+    modelled_step_s: float | None = None
+    """What the last forward should have taken on the hardware the runner emulates (after its speedup),
+    set by each forward; engines compare it with what the step really took. None for a real runner."""
+
     def time_coefficients(self) -> tuple[list[float], list[float]] | None:
         """What this runner's steps take, when it knows without measuring (an emulated runner: its cost
         model): prefill seconds c0 + c1*(n - r) + c2*(n^2 - r^2) and decode step seconds a + b*batch +

@@ -30,6 +30,9 @@ class EngineLoop:
         # (batch size, context tokens, seconds) of recent steps, for the conductor's step-time model
         self.step_samples: deque[tuple[int, int, float]] = deque(maxlen=256)
         self.last_step_s = 0.0
+        # An emulated runner's (modelled, measured) seconds per step, the measured time running from the
+        # step's start to the end of its outputs' handling: how far this box keeps the emulated pace.
+        self.emulated_steps: deque[tuple[float, float]] = deque(maxlen=1024)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -80,9 +83,18 @@ class EngineLoop:
                               for o in outputs if (s := self.engine.seqs.get(o.request_id)) is not None)
                 self.step_samples.append((len(outputs), context, seconds))
             await self.on_outputs(outputs)
+            if modelled := self.engine.runner.modelled_step_s:
+                self.emulated_steps.append((modelled, time.perf_counter() - start))
 
     def drain_step_samples(self) -> list[list]:
-        samples = []
-        while self.step_samples:
-            samples.append(list(self.step_samples.popleft()))
-        return samples
+        return _drain(self.step_samples)
+
+    def drain_emulated_steps(self) -> list[list]:
+        return _drain(self.emulated_steps)
+
+
+def _drain(samples: deque) -> list[list]:
+    drained = []
+    while samples:
+        drained.append(list(samples.popleft()))
+    return drained

@@ -80,6 +80,7 @@ class Worker:
                            num_waiting=len(engine.scheduler.waiting),
                            num_running=len(engine.scheduler.running), num_kv_blocks_used=engine.pool.num_used,
                            num_kv_blocks=engine.pool.num_blocks, step_samples=self.loop.drain_step_samples(),
+                           emulated_steps=self.loop.drain_emulated_steps(),
                            **self.heartbeat_report())
 
     def heartbeat_report(self) -> dict:

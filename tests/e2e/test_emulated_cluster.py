@@ -6,7 +6,7 @@ import pytest
 
 from mooncake.config import EngineConfig
 from mooncake.engine import LLMEngine, SamplingParams
-from tests.e2e.conftest import make_cluster, metrics, post
+from tests.e2e.conftest import make_cluster, metrics, post, wait_for
 
 SPEEDUP = 200.0
 
@@ -42,6 +42,20 @@ def test_emulated_instances_seed_the_conductors_estimators_with_their_cost_model
     log = (cluster.workdir / "conductor.log").read_text()
     assert "seeds the PrefillTimeModel" in log and "seeds the DecodeStepModel" in log
     assert "mooncake_ttft_prediction_ratio_count" in "".join(metrics(cluster.url))
+
+
+def test_the_conductor_exports_how_far_emulated_steps_fall_behind_the_model(cluster):
+    """Each step an emulated instance runs reaches the conductor as measured over modelled time; a step
+    never beats the model (the runner waits out the modelled time), so every ratio is at least 1."""
+    status, _ = post(cluster.url + "/v1/completions", {"model": "emu", "prompt": [11] * 100, "max_tokens": 8})
+    assert status == 200
+    count = {role: f'mooncake_emulated_step_ratio_count{{role="{role}"}}' for role in ("prefill", "decode")}
+    wait_for(lambda: all(metrics(cluster.url).get(series, 0) > 0 for series in count.values()), 10,
+             "step ratios from both roles' heartbeats")
+    seen = metrics(cluster.url)
+    for role, series in count.items():
+        assert seen[f'mooncake_emulated_step_ratio_sum{{role="{role}"}}'] >= seen[series]
+        assert seen[f'mooncake_emulated_step_ratio_bucket{{le="1.0",role="{role}"}}'] == 0
 
 
 def test_the_colocated_baseline_serves_the_same_stream_from_one_instance(tmp_path_factory):
