@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -34,6 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from chaos import block_tokens, synthetic_trace  # noqa: E402
 from mooncake.config import load_config  # noqa: E402
 from mooncake.dev import DevCluster  # noqa: E402
+from mooncake.sim.plots import pyplot, save_figure  # noqa: E402
 from mooncake.sim.run import simulate  # noqa: E402
 from mooncake.sim.trace import TraceRequest, load_trace  # noqa: E402
 
@@ -101,20 +103,43 @@ def figures(outcomes: list[Outcome], duration_s: float) -> dict:
             "goodput_per_s": {t: n / duration_s for t, n in good.items()},
             "ttft_mean_s": statistics.fmean(ttft), "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
             "rejected": sum(o.status == 429 for o in outcomes),
-            "failed": sum(o.status not in (200, 429) for o in outcomes), "requests": len(outcomes)}
+            "failed": sum(o.status not in (200, 429) for o in outcomes), "requests": len(outcomes),
+            "ttft_s": [o.ttft_s for o in served]}
 
 
-def prediction_ratios(url: str) -> dict:
-    """The conductor's histogram of predicted/measured TTFT: its buckets and median."""
-    import urllib.request
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    buckets = [(float(line.split('le="')[1].split('"')[0]), float(line.rsplit(" ", 1)[1]))
-               for line in text.splitlines() if line.startswith("mooncake_ttft_prediction_ratio_bucket")
-               and 'le="+Inf"' not in line]
-    total = next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line.startswith("mooncake_ttft_prediction_ratio_count")), 0.0)
-    median = next((le for le, count in buckets if total and count >= total / 2), None)
-    return {"count": total, "median_upper_bound": median, "cumulative": dict(buckets)}
+def histogram(text: str, name: str, labels: str = "") -> dict:
+    """One Prometheus histogram of a /metrics text, by its label set `labels` (e.g. 'role="decode"'):
+    count, mean, the upper bounds of the buckets holding its median and 90th percentile, and the
+    cumulative count by bucket."""
+    def value(line: str) -> float:
+        return float(line.rsplit(" ", 1)[1])
+
+    lines = [line for line in text.splitlines() if line.startswith(name) and labels in line]
+    buckets = [(float(line.split('le="')[1].split('"')[0]), value(line)) for line in lines
+               if line.startswith(name + "_bucket") and 'le="+Inf"' not in line]
+    total = next((value(line) for line in lines if line.startswith(name + "_count")), 0.0)
+    total_sum = next((value(line) for line in lines if line.startswith(name + "_sum")), 0.0)
+
+    def quantile(q: float):
+        return next((le for le, count in buckets if total and count >= q * total), None)
+
+    return {"count": total, "mean": total_sum / total if total else None, "median_upper_bound": quantile(0.5),
+            "p90_upper_bound": quantile(0.9), "cumulative": dict(buckets)}
+
+
+def scrape(url: str) -> str:
+    return urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+
+
+def step_ratios(text: str) -> dict:
+    """Per role, measured over modelled step time of the emulated instances, and the share of steps
+    within 5% of the model."""
+    out = {}
+    for role in ("prefill", "decode"):
+        h = histogram(text, "mooncake_emulated_step_ratio", f'role="{role}"')
+        h["within_5pct"] = h["cumulative"].get(1.05, 0.0) / h["count"] if h["count"] else None
+        out[role] = h
+    return out
 
 
 def cpu_seconds(pid: int) -> float:
@@ -142,7 +167,9 @@ def live(mode: str, trace, args, rate: float) -> dict:
         wall_s = time.monotonic() - started
         used = {p.name: cpu_seconds(p.pid) - before[p.name] for p in cluster.processes}
         result = figures(outcomes, trace[-1].timestamp_ms / 1000 / rate or 1.0)
-        result["prediction_ratio"] = prediction_ratios(cluster.url)
+        text = scrape(cluster.url)
+        result["prediction_ratio"] = histogram(text, "mooncake_ttft_prediction_ratio")
+        result["step_ratio"] = step_ratios(text)
     result["wall_s"] = wall_s
     # NOTE: where the box's CPU went: when it is all used, live timings fall behind the modelled ones.
     result["cpu_s"] = {"conductor": used.get("conductor", 0.0), "all": sum(used.values()),
@@ -169,7 +196,41 @@ def simulated(mode: str, trace, args, rate: float) -> dict:
     return {"goodput": {t: n / len(trace) for t, n in good.items()},
             "goodput_per_s": {t: n / duration for t, n in good.items()},
             "ttft_mean_s": statistics.fmean(ttft), "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-            "rejected": sum(result["rejected"].values()), "failed": 0, "requests": len(trace)}
+            "rejected": sum(result["rejected"].values()), "failed": 0, "requests": len(trace),
+            "ttft_s": list(served["ttft_s"])}
+
+
+def plot(results: dict, rates: list[float], out_dir: Path) -> list[Path]:
+    """goodput-vs-rate.png (one panel per TBT threshold, the four systems as lines) and ttft-cdf.png (the
+    four systems' TTFT CDFs at each rate)."""
+    plt = pyplot()
+    systems = [(where, mode) for where in ("live", "sim") for mode in ("mooncake", "colocated")]
+    style = {"live": "-", "sim": "--"}
+    fig, axes = plt.subplots(1, len(THRESHOLDS_S), figsize=(4 * len(THRESHOLDS_S), 3.5), sharey=True)
+    for ax, threshold in zip(axes, THRESHOLDS_S):
+        for where, mode in systems:
+            ax.plot(rates, [results[where][mode][f"{r:g}"]["goodput_per_s"][f"{threshold:g}"] for r in rates],
+                    style[where], marker="o", label=f"{where} {mode}")
+        ax.set_title(f"TTFT <= {TTFT_SLO_S:g} s, TBT <= {threshold:g} s", fontsize=9)
+        ax.set_xlabel("rate factor (x trace pace)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("goodput (requests/s)")
+    axes[0].legend(fontsize=8)
+    paths = [save_figure(fig, out_dir / "goodput-vs-rate.png", plt)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for rate in rates:
+        for where, mode in systems:
+            values = sorted(results[where][mode][f"{rate:g}"]["ttft_s"])
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], style[where],
+                        label=f"{where} {mode}" + (f" x{rate:g}" if len(rates) > 1 else ""))
+    ax.axvline(TTFT_SLO_S, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xlabel("TTFT (s, emulated hardware)")
+    ax.set_ylabel("CDF of served requests")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(save_figure(fig, out_dir / "ttft-cdf.png", plt))
+    return paths
 
 
 def main() -> None:
@@ -182,7 +243,10 @@ def main() -> None:
     parser.add_argument("--speedup", type=float, default=1.0, help="engine.emulation_speedup of the live runs")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a request may take, live")
     parser.add_argument("--quick", action="store_true", help="2P2D vs colocated 4, 40 requests")
-    parser.add_argument("--json", type=Path, default=Path("bench-results/goodput.json"))
+    parser.add_argument("--json", type=Path, default=Path("bench-results/goodput.json"),
+                        help="where the figures go; the PNG plots go beside it")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (they need matplotlib: "
+                        "pip install 'mooncake[sim]')")
     args = parser.parse_args()
     if args.quick:
         args.requests, args.prefill, args.decode = min(args.requests, 40), 2, 2
@@ -212,6 +276,10 @@ def main() -> None:
             cpu = results["live"][mode][f"{rate:g}"]["cpu_s"]
             print(f"  live {mode}: conductor {cpu['conductor_ms_per_request']:.1f} CPU ms per request; every role "
                   f"together used {cpu['box_share']:.0%} of the box's CPUs while replaying")
+            steps = results["live"][mode][f"{rate:g}"]["step_ratio"]
+            print(f"  live {mode}: emulated steps' measured/modelled time, mean by role: "
+                  + ", ".join(f"{role} {h['mean']:.3f} ({h['within_5pct']:.0%} within 5%)"
+                              for role, h in steps.items() if h["count"]))
         ratio = results["live"]["mooncake"][f"{rate:g}"]["prediction_ratio"]
         print(f"  live Mooncake at rate {rate:g}: predicted/measured TTFT of {ratio['count']:.0f} requests, "
               f"median <= {ratio['median_upper_bound']}; cumulative by bucket: {ratio['cumulative']}")
@@ -219,6 +287,9 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.json}")
+    if not args.no_plots:
+        for path in plot(results, args.rates, args.json.parent):
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -5,15 +5,14 @@ The engine, its scheduler, paged KV cache, prefix cache, batching, preemption, K
 as they do for a real model. Only `forward` is replaced: it writes small, deterministic KV for the new
 tokens, picks each next token from the last token, its position and a digest of the sequence's KV as it
 lies in the cache (so a block lost or garbled on its way from prefill to decode changes the stream), and
-waits the time the cost model (`mooncake/cost.py`, the one the simulator charges) gives the step on the
-emulated hardware, divided by `engine.emulation_speedup`.
+tells the engine the time the cost model (`mooncake/cost.py`, the one the simulator charges) gives the
+step on the emulated hardware, divided by `engine.emulation_speedup`; the engine's step lasts that long.
 
 The model directory comes from a spec in configs/models/ (`mooncake model fetch emulated-llama3-70b`):
 its config.json holds the engine-facing shape (vocabulary, context, real KV dims) and the cost model as
 "emulation"."""
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -45,7 +44,6 @@ class EmulatedRunner(ModelRunner):
         tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
         self.alphabet = [tokenizer.encode(c, add_special_tokens=False).ids[0] for c in ALPHABET]
         self.last_modelled_s = 0.0  # the last step's modelled time, before the speedup
-        self.last_busy_s = 0.0  # what the last step really spent before waiting (must stay below the model)
 
     @classmethod
     def from_engine_config(cls, model_dir, device, dtype, config) -> "EmulatedRunner":
@@ -72,15 +70,12 @@ class EmulatedRunner(ModelRunner):
         return seconds
 
     def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
+        """The batch's KV and logits at once; the engine then waits out `modelled_step_s` (from the step's
+        start, so scheduling, sampling and this count toward it)."""
         self.last_modelled_s = self.step_seconds(batch)
         self.modelled_step_s = self.last_modelled_s / self.speedup
         self._write_kv(batch, kv)
-        logits = self._logits(batch, kv)
-        self.last_busy_s = time.perf_counter() - start
-        if (wait := self.modelled_step_s - self.last_busy_s) > 0:
-            time.sleep(wait)  # on the engine thread, as a real forward would hold it
-        return logits
+        return self._logits(batch, kv)
 
     def _write_kv(self, batch: ForwardBatch, kv: torch.Tensor) -> None:
         """Each new token's KV: small integers from its id and position, different per layer and K|V."""

@@ -131,7 +131,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, since: float | None = None) -> list[RequestOutput]:
+        """Schedule, run and sample one batch. With an emulated runner the step lasts the time it models,
+        counted from `since` (a `time.perf_counter()`; default: now): an engine loop running steps back to
+        back passes the previous step's end, so what it does between steps counts against that time as
+        it would overlap the device's work on real hardware."""
+        started = time.perf_counter() if since is None else since
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -139,7 +144,10 @@ class LLMEngine:
         logits = self.runner.forward(batch, self.kv_cache.kv)
         self.scheduler.on_computed(scheduled)
         tokens = sample(logits, sampled)
-        return self._postprocess(sampled, tokens, logprobs_of(logits, sampled, tokens))
+        outputs = self._postprocess(sampled, tokens, logprobs_of(logits, sampled, tokens))
+        if self.runner.modelled_step_s and (wait := self.runner.modelled_step_s - (time.perf_counter() - started)) > 0:
+            time.sleep(wait)  # on the engine thread, as a device step would hold it
+        return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
         """Run prompts to completion together (continuous batching); results in prompt order."""

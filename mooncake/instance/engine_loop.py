@@ -30,8 +30,9 @@ class EngineLoop:
         # (batch size, context tokens, seconds) of recent steps, for the conductor's step-time model
         self.step_samples: deque[tuple[int, int, float]] = deque(maxlen=256)
         self.last_step_s = 0.0
-        # An emulated runner's (modelled, measured) seconds per step, the measured time running from the
-        # step's start to the end of its outputs' handling: how far this box keeps the emulated pace.
+        # An emulated runner's (modelled, measured) seconds per step, measured from the previous step's end
+        # when they run back to back (the outputs' handling between them included), else from its start:
+        # how far this box keeps the emulated pace.
         self.emulated_steps: deque[tuple[float, float]] = deque(maxlen=1024)
 
     def start(self) -> None:
@@ -53,10 +54,12 @@ class EngineLoop:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        previous_end = None  # the last step's end, while steps run back to back
         while True:
             if not self._calls and not self.engine.has_unfinished():
                 self._wake.clear()
                 await self._wake.wait()
+                previous_end = None
             while self._calls:
                 fn, future = self._calls.popleft()
                 if future.cancelled():
@@ -66,25 +69,29 @@ class EngineLoop:
                 except Exception as exc:  # noqa: BLE001  the caller gets it; the loop goes on
                     future.set_exception(exc)
             if not self.engine.has_unfinished():
+                previous_end = None
                 continue
-            start = time.perf_counter()
+            since = previous_end or time.perf_counter()
             try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                outputs = await loop.run_in_executor(self._executor, self.engine.step, since)
             except Exception as exc:  # noqa: BLE001  fail its requests, keep serving
                 log.exception("engine step failed; failing every request in the engine")
                 request_ids = list(self.engine.seqs)
                 for request_id in request_ids:
                     self.engine.abort(request_id)
                 await self.on_failed(request_ids, f"engine step failed: {exc}")
+                previous_end = None
                 continue
-            seconds = self.last_step_s = time.perf_counter() - start
+            previous_end = time.perf_counter()
+            # NOTE: what the step cost its requests: from the previous step's end when back to back.
+            seconds = self.last_step_s = previous_end - since
+            if modelled := self.engine.runner.modelled_step_s:
+                self.emulated_steps.append((modelled, seconds))
             if outputs:
                 context = sum(len(s.prompt_token_ids) + len(s.output_token_ids)
                               for o in outputs if (s := self.engine.seqs.get(o.request_id)) is not None)
                 self.step_samples.append((len(outputs), context, seconds))
             await self.on_outputs(outputs)
-            if modelled := self.engine.runner.modelled_step_s:
-                self.emulated_steps.append((modelled, time.perf_counter() - start))
 
     def drain_step_samples(self) -> list[list]:
         return _drain(self.step_samples)

@@ -11,7 +11,7 @@ from mooncake.sim.metrics import TTFT_LIMIT_S
 THRESHOLDS_S = np.linspace(0.02, 0.5, 49)
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -31,7 +31,7 @@ def capacity_curve(result: dict) -> np.ndarray:
 
 def write_plots(results: dict[str, dict], out_dir: str | Path) -> list[Path]:
     """One figure per metric, every labelled run overlaid (load over time: one panel per run)."""
-    plt = _pyplot()
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -46,7 +46,7 @@ def write_plots(results: dict[str, dict], out_dir: str | Path) -> list[Path]:
         ax.set_xscale("log")
         ax.grid(alpha=0.3)
         ax.legend()
-        paths.append(_save(fig, out / f"{metric.removesuffix('_s')}_cdf.png", plt))
+        paths.append(save_figure(fig, out / f"{metric.removesuffix('_s')}_cdf.png", plt))
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, result in results.items():
         ax.plot(THRESHOLDS_S * 1000, capacity_curve(result) * 100, label=label)
@@ -54,7 +54,7 @@ def write_plots(results: dict[str, dict], out_dir: str | Path) -> list[Path]:
     ax.set_ylabel("requests within SLO (%)")
     ax.grid(alpha=0.3)
     ax.legend()
-    paths.append(_save(fig, out / "capacity_vs_threshold.png", plt))
+    paths.append(save_figure(fig, out / "capacity_vs_threshold.png", plt))
     with_load = {k: v for k, v in results.items() if v.get("load_over_time")}
     if with_load:
         fig, axes = plt.subplots(len(with_load), 1, figsize=(8, 2.5 * len(with_load)), squeeze=False, sharex=True)
@@ -67,11 +67,11 @@ def write_plots(results: dict[str, dict], out_dir: str | Path) -> list[Path]:
             ax.set_ylabel("load / SLO")
             ax.legend(fontsize=8)
         axes[-1, 0].set_xlabel("time (s)")
-        paths.append(_save(fig, out / "load_over_time.png", plt))
+        paths.append(save_figure(fig, out / "load_over_time.png", plt))
     return paths
 
 
-def _save(fig, path: Path, plt) -> Path:
+def save_figure(fig, path: Path, plt) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

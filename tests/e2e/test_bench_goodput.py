@@ -19,3 +19,6 @@ def test_a_small_goodput_replay_serves_every_request_live_and_simulated(tmp_path
             assert figures["requests"] == 8 and figures["failed"] == 0, (where, mode, figures)
             assert set(figures["goodput"]) == {"0.1", "0.2", "0.3"} and figures["ttft_mean_s"] > 0
     assert result["live"]["mooncake"]["1"]["prediction_ratio"]["count"] >= 1
+    steps = result["live"]["mooncake"]["1"]["step_ratio"]
+    assert steps["prefill"]["count"] >= 1 and steps["decode"]["count"] >= 1 and steps["decode"]["mean"] >= 1
+    assert (tmp_path / "goodput-vs-rate.png").stat().st_size > 0 and (tmp_path / "ttft-cdf.png").stat().st_size > 0
