@@ -188,7 +188,8 @@ class ControlPlane:
             if instance.role == "decode":
                 self.estimators.decode_step.observe(batch, context, seconds)
         for modelled, measured in msg.emulated_steps:
-            self.metrics.emulated_step.labels(instance.role).observe(measured / modelled)
+            if modelled > 0:  # a malformed report is dropped, not divided by
+                self.metrics.emulated_step.labels(instance.role).observe(measured / modelled)
         i = instance.instance_id
         self.metrics.waiting.labels(i).set(msg.num_waiting)
         self.metrics.running.labels(i).set(msg.num_running)

@@ -66,6 +66,7 @@ class LLMEngine:
         self.model = resolve_model(config.model)
         runner_cls = load_backend("models", self.model.config["model_type"])
         self.runner = runner_cls.from_engine_config(self.model.path, self.device, self.dtype, config)
+        self.last_modelled_s: float | None = None  # the last step's emulated time; None: not emulated, or no batch
         self.block_size = config.block_size
         self.namespace = make_namespace(self.model.model_id, self.block_size, config.kv_dtype)
         self.max_model_len = min(config.max_model_len or self.runner.max_position_embeddings,
@@ -137,6 +138,7 @@ class LLMEngine:
         back passes the previous step's end, so what it does between steps counts against that time as
         it would overlap the device's work on real hardware."""
         started = time.perf_counter() if since is None else since
+        self.last_modelled_s = None
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -145,7 +147,8 @@ class LLMEngine:
         self.scheduler.on_computed(scheduled)
         tokens = sample(logits, sampled)
         outputs = self._postprocess(sampled, tokens, logprobs_of(logits, sampled, tokens))
-        if self.runner.modelled_step_s and (wait := self.runner.modelled_step_s - (time.perf_counter() - started)) > 0:
+        self.last_modelled_s = self.runner.modelled_step_s
+        if self.last_modelled_s and (wait := self.last_modelled_s - (time.perf_counter() - started)) > 0:
             time.sleep(wait)  # on the engine thread, as a device step would hold it
         return outputs
 

@@ -85,7 +85,7 @@ class EngineLoop:
             previous_end = time.perf_counter()
             # NOTE: what the step cost its requests: from the previous step's end when back to back.
             seconds = self.last_step_s = previous_end - since
-            if modelled := self.engine.runner.modelled_step_s:
+            if modelled := self.engine.last_modelled_s:
                 self.emulated_steps.append((modelled, seconds))
             if outputs:
                 context = sum(len(s.prompt_token_ids) + len(s.output_token_ids)
