@@ -2,7 +2,8 @@
 
 Its transport serves a KV inbox that prefill instances push blocks into. A `Decode` from the conductor
 claims the request's blocks, imports them into the paged cache (a block missing or failing verification
-is recomputed, never trusted) and joins continuous batching; every step's tokens go back to the
+is recomputed, never trusted; the bytes are checked and copied on the engine loop's KV thread while
+running requests keep stepping) and joins continuous batching; every step's tokens go back to the
 conductor as `Tokens`. `Cancel` aborts the request and frees its blocks."""
 
 import asyncio
@@ -26,6 +27,7 @@ class DecodeWorker(Worker):
         super().__init__(config)
         self.inbox = KVInbox(config.instance.kv_inbox_ttl_s, config.instance.kv_inbox_bytes)
         self._expiry: asyncio.Task | None = None
+        self._admissions: dict[str, asyncio.Task] = {}  # request id -> its admission, while it runs
 
     async def start_role(self) -> None:
         self.transport = make_transport(self.config.instance.transport, self.config)
@@ -44,7 +46,8 @@ class DecodeWorker(Worker):
 
     async def on_message(self, msg) -> None:
         if isinstance(msg, m.Decode):
-            await self._admit(msg)
+            # NOTE: its own task: importing the KV takes a while, and a Cancel meanwhile must reach it.
+            self._admissions[msg.request_id] = self.spawn_for(msg.request_id, self._admit(msg), "admission")
         elif isinstance(msg, m.Cancel):
             if msg.block_hashes:
                 self.inbox.release(msg.block_hashes)
@@ -65,11 +68,22 @@ class DecodeWorker(Worker):
                      msg.request_id, len(payloads), len(msg.block_hashes))
         try:
             params = SamplingParams(**{**msg.sampling, "stop": ()})
-            await self.loop.call(self.engine.add_request, msg.token_ids, params, msg.request_id, payloads)
+            if payloads:  # verified and copied in while running streams keep stepping
+                await self.loop.add_request_with_kv(msg.token_ids, params, msg.request_id, payloads)
+            else:
+                await self.loop.call(self.engine.add_request, msg.token_ids, params, msg.request_id)
         except (InvalidRequestError, TypeError) as exc:
             await self.report_failure(msg.request_id, str(exc), is_invalid=True)
         except MooncakeError as exc:
             await self.report_failure(msg.request_id, str(exc))
+        finally:
+            if self._admissions.get(msg.request_id) is asyncio.current_task():
+                del self._admissions[msg.request_id]
+
+    async def drop(self, request_id: str) -> None:
+        if (admission := self._admissions.pop(request_id, None)) is not None:
+            admission.cancel()  # its reserved blocks are freed once its copy is done
+        await super().drop(request_id)
 
     async def on_outputs(self, outputs) -> None:
         for out in outputs:

@@ -14,11 +14,12 @@ from mooncake.config import EngineConfig
 from mooncake.engine.batch import build_batch
 from mooncake.engine.block_pool import BlockPool
 from mooncake.engine.kv_cache import PagedKVCache
+from mooncake.engine.kv_import import PendingImport
 from mooncake.engine.sampler import logprobs_of, sample
 from mooncake.sampling import SamplingParams, TokenLogprob
 from mooncake.engine.scheduler import Scheduler
 from mooncake.engine.sequence import Sequence
-from mooncake.errors import ConfigError, InvalidRequestError, KVPayloadError
+from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.hashing import hash_block, hash_blocks, make_namespace
 from mooncake.kv_payload import KVPayload
 from mooncake.models import resolve_model
@@ -81,6 +82,7 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(config, self.pool)
         self.seqs: dict[str, Sequence] = {}
+        self._importing: set[str] = set()  # request ids between begin_import and finish/cancel_import
         self._tokenizer = None
         log.info("engine ready: model %s (%s), %d KV blocks of %d tokens on %s/%s",
                  config.model, self.model.model_id, num_blocks, self.block_size, self.device, config.kv_dtype)
@@ -101,10 +103,32 @@ class LLMEngine:
         prompt; a payload that fails verification or does not match the prompt's hashes is a miss.
         With `keep_kv` the request's blocks outlive its finish, for `export_kv`, until `pop_completion`
         or `abort` (how a prefill instance holds KV until it is sent)."""
+        if kv_payloads:
+            pending = self.begin_import(prompt_token_ids, params, request_id, kv_payloads, keep_kv)
+            pending.write(self.kv_cache, self.namespace)
+            return self.finish_import(pending)
+        seq = self._new_sequence(prompt_token_ids, params, request_id, keep_kv)
+        self.seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def begin_import(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str | None,
+                     kv_payloads: list[KVPayload], keep_kv: bool = False) -> PendingImport:
+        """`add_request` with imported KV, in three phases (mooncake/engine/kv_import.py): this one (between
+        steps) checks the request and reserves blocks for the payloads; then `PendingImport.write` (any
+        thread, steps may run meanwhile); then `finish_import` (between steps) queues the request, or
+        `cancel_import` frees what was reserved."""
+        seq = self._new_sequence(prompt_token_ids, params, request_id, keep_kv)
+        pending = self._reserve(seq, kv_payloads)
+        self._importing.add(seq.seq_id)
+        return pending
+
+    def _new_sequence(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str | None,
+                      keep_kv: bool) -> Sequence:
         params = params or SamplingParams()
         self._validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.seqs:
+        if request_id in self.seqs or request_id in self._importing:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         generator = None
         if not params.is_greedy:
@@ -113,11 +137,29 @@ class LLMEngine:
         seq = Sequence(seq_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                        generator=generator, keep_kv=keep_kv)
         seq.block_hashes = hash_blocks(seq.prompt_token_ids, self.block_size, self.namespace)
-        if kv_payloads:
-            self._import(seq, kv_payloads)
-        self.seqs[request_id] = seq
+        return seq
+
+    def finish_import(self, pending: PendingImport) -> str:
+        """Enter a written import's sequence with its good leading blocks; frees the rest."""
+        seq = pending.seq
+        self._importing.discard(seq.seq_id)
+        kept, dropped = pending.entries[:pending.num_good], pending.entries[pending.num_good:]
+        self.pool.release([block for block, _ in dropped])
+        for i, (block, parts) in enumerate(kept):
+            if parts:
+                self.pool.register(block, seq.block_hashes[i])
+        seq.block_table = [block for block, _ in kept]
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        seq.num_registered_blocks = len(seq.block_table)
+        self.seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
-        return request_id
+        return seq.seq_id
+
+    def cancel_import(self, pending: PendingImport) -> None:
+        """Free an import's blocks (after its write, if one ran: a write in progress still uses them)."""
+        self._importing.discard(pending.request_id)
+        self.pool.release([block for block, _ in pending.entries])
+        pending.entries = []
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free every block it holds; unknown ids are ignored."""
@@ -177,29 +219,48 @@ class LLMEngine:
 
     def export_kv(self, request_id: str, layer: int | None = None, first_block: int = 0) -> list[KVPayload]:
         """Payloads of the request's computed full blocks from `first_block` on, in prefix order (one
-        layer if `layer` is set). A prefill instance calls it after each step to stream what is new."""
+        layer if `layer` is set)."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise InvalidRequestError(f"unknown request id {request_id!r}")
-        return [self.kv_cache.export_block(seq.block_table[i], seq.block_hashes[i], self.namespace, layer)
-                for i in range(first_block, self.num_full_blocks(request_id))]
+        return self.export_blocks([(seq.block_table[i], seq.block_hashes[i])
+                                   for i in range(first_block, self.num_full_blocks(request_id))], layer)
+
+    def pin_blocks(self, request_id: str, first_block: int, num_blocks: int) -> list[tuple[int, int]]:
+        """(block, hash) of the request's computed full blocks [first_block, first_block + num_blocks),
+        each held once more (until `pool.release`), so `export_blocks` may copy them on another thread
+        while steps run: a computed full block is never written again, and a held one never reused."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            raise InvalidRequestError(f"unknown request id {request_id!r}")
+        last = min(first_block + num_blocks, self.num_full_blocks(request_id))
+        blocks = [(seq.block_table[i], seq.block_hashes[i]) for i in range(first_block, last)]
+        self.pool.acquire([block for block, _ in blocks])
+        return blocks
+
+    def export_blocks(self, blocks: list[tuple[int, int]], layer: int | None = None) -> list[KVPayload]:
+        """Payloads of pinned blocks (`pin_blocks`); safe on any thread while the engine steps."""
+        return [self.kv_cache.export_block(block, block_hash, self.namespace, layer) for block, block_hash in blocks]
 
     def num_full_blocks(self, request_id: str) -> int:
         """How many leading blocks of the request are full and computed (exportable)."""
         seq = self.seqs[request_id]
         return min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
 
-    def _import(self, seq: Sequence, payloads: list[KVPayload]) -> None:
+    def _reserve(self, seq: Sequence, payloads: list[KVPayload]) -> PendingImport:
+        """A block per leading prompt block the payloads (or this engine's cache) cover, up to the last
+        full block before the prompt's last token: held ones acquired, the others allocated for writing."""
         by_hash: dict[int, dict] = {}
         for p in payloads:
             by_hash.setdefault(p.block_hash, {})[p.layer] = p
         num_layers = self.runner.kv_spec.num_layers
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        pending = PendingImport(seq)
         for block_hash in seq.block_hashes[:max_blocks]:
             block = self.pool.match_prefix([block_hash])  # already cached here: reuse it, payload or not
             if block:
                 self.pool.acquire(block)
-                seq.block_table.extend(block)
+                pending.entries.append((block[0], []))
                 continue
             parts = by_hash.get(block_hash, {})
             chosen = [parts[None]] if None in parts else [parts.get(layer) for layer in range(num_layers)]
@@ -208,17 +269,8 @@ class LLMEngine:
             block = self.pool.allocate(1)
             if block is None:
                 break
-            try:
-                for p in chosen:
-                    self.kv_cache.import_block(block[0], p, self.namespace)
-            except KVPayloadError as exc:
-                log.warning("request %s: imported KV rejected, recomputing from there: %s", seq.seq_id, exc)
-                self.pool.release(block)
-                break
-            self.pool.register(block[0], block_hash)
-            seq.block_table.extend(block)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
-        seq.num_registered_blocks = len(seq.block_table)
+            pending.entries.append((block[0], chosen))
+        return pending
 
     # -- internals --------------------------------------------------------------------------------
 

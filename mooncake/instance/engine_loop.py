@@ -1,6 +1,8 @@
 """Runs an LLMEngine's steps on one worker thread so the event loop stays free for I/O (KV transfers,
 heartbeats, control messages). The engine is touched only between steps: callers queue changes with
-`call()`, which the loop applies before the next step."""
+`call()`, which the loop applies before the next step. A second thread moves KV bytes while steps run:
+`add_request_with_kv` verifies and copies imported blocks there, and `export_kv` copies and checksums
+blocks out of the cache there, so neither stalls a step nor the event loop."""
 
 import asyncio
 import logging
@@ -24,6 +26,7 @@ class EngineLoop:
         self.on_outputs = on_outputs
         self.on_failed = on_failed
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._kv_executor = ThreadPoolExecutor(1, thread_name_prefix="kv-copy")
         self._calls: deque[tuple[Callable, asyncio.Future]] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -44,13 +47,59 @@ class EngineLoop:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         self._executor.shutdown(wait=True)
+        self._kv_executor.shutdown(wait=True)
 
     async def call(self, fn: Callable, *args):
         """Run `fn(*args)` against the engine between two steps; returns its result (or raises)."""
+        return await self._queue(fn, *args)
+
+    def _queue(self, fn: Callable, *args) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
         self._calls.append((lambda: fn(*args), future))
         self._wake.set()
-        return await future
+        return future
+
+    async def add_request_with_kv(self, prompt_token_ids: list[int], params, request_id: str,
+                                  payloads: list, keep_kv: bool = False) -> str:
+        """`engine.add_request(kv_payloads=...)` with the payloads verified and copied into their blocks on
+        the KV thread while steps run (mooncake/engine/kv_import.py): only reserving the blocks and
+        entering the request happen between steps. Cancelled midway, it frees what it reserved as soon as
+        nothing uses it any more."""
+        engine = self.engine
+        begun = self._queue(engine.begin_import, prompt_token_ids, params, request_id, payloads, keep_kv)
+        try:
+            pending = await asyncio.shield(begun)
+        except asyncio.CancelledError:
+            begun.add_done_callback(
+                lambda f: f.cancelled() or f.exception() or self._queue(engine.cancel_import, f.result()))
+            raise
+        written = asyncio.get_running_loop().run_in_executor(self._kv_executor, pending.write, engine.kv_cache,
+                                                             engine.namespace)
+        try:
+            await asyncio.shield(written)
+        except BaseException:
+            written.add_done_callback(lambda _: self._queue(engine.cancel_import, pending))
+            raise
+        # NOTE: shielded: once written, the request enters the engine; a drop that cancelled us aborts it next.
+        return await asyncio.shield(self._queue(engine.finish_import, pending))
+
+    def export_kv(self, request_id: str, first_block: int, num_blocks: int,
+                  encode: Callable[[list], object] = list) -> asyncio.Future:
+        """`encode(payloads)` of blocks [first_block, first_block + num_blocks) of a request that keeps its
+        KV, copied, checksummed and encoded on the KV thread while steps run. Call it between steps (from `on_outputs`): the
+        blocks are pinned at once, so an abort meanwhile cannot hand them to another request before the
+        copy is done; they are unpinned between two later steps."""
+        engine = self.engine
+        blocks = engine.pin_blocks(request_id, first_block, num_blocks)
+        future = asyncio.get_running_loop().run_in_executor(
+            self._kv_executor, lambda: encode(engine.export_blocks(blocks)))
+
+        def unpin(f: asyncio.Future) -> None:
+            self._queue(engine.pool.release, [block for block, _ in blocks])
+            if not f.cancelled() and f.exception() is not None:  # its reader, if any, raises it too
+                log.debug("exporting the KV of %s failed: %r", request_id, f.exception())
+        future.add_done_callback(unpin)
+        return future
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

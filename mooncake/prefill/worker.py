@@ -22,6 +22,10 @@ from mooncake.transfer.contract import TransferError, make_transport
 
 log = logging.getLogger(__name__)
 
+
+def _encode(payloads: list[KVPayload]) -> list[tuple[int, bytes]]:
+    return [(p.block_hash, p.to_bytes()) for p in payloads]
+
 MAX_POOL_WRITES = 64  # chunks being written to the pool at once; past that, chunks skip the pool
 
 
@@ -134,7 +138,12 @@ class PrefillWorker(Worker):
             payloads = await self._read_pool(job)
             if msg.request_id not in self.jobs:
                 return  # cancelled while reading the pool
-            await self.loop.call(self.engine.add_request, msg.token_ids, params, msg.request_id, payloads, True)
+            if payloads:  # verified and copied in while other requests keep stepping
+                await self.loop.add_request_with_kv(msg.token_ids, params, msg.request_id, payloads, True)
+                if msg.request_id not in self.jobs:  # cancelled while its blocks were copied in
+                    await self.loop.call(self.engine.abort, msg.request_id)
+            else:
+                await self.loop.call(self.engine.add_request, msg.token_ids, params, msg.request_id, (), True)
         except (InvalidRequestError, TypeError) as exc:
             self.jobs.pop(msg.request_id, None)
             await self.report_failure(msg.request_id, str(exc), is_invalid=True)
@@ -197,20 +206,23 @@ class PrefillWorker(Worker):
                 self.spawn_for(job.msg.request_id, self._hand_off(job), "the hand-off")
 
     def _push_new_blocks(self, job: _Job) -> None:
+        """Between steps: start pushing the request's blocks that filled since the last push. They are
+        copied out of the cache and encoded on the engine loop's KV thread while the next step runs."""
         request_id = job.msg.request_id
         num_full = min(self.engine.num_full_blocks(request_id), len(job.msg.block_hashes))
         if num_full <= job.num_sent_blocks:
             return
-        payloads = self.engine.export_kv(request_id, first_block=job.num_sent_blocks)[:num_full - job.num_sent_blocks]
         first = job.num_sent_blocks
         job.num_sent_blocks = num_full
-        blocks = [(p.block_hash, p.to_bytes()) for p in payloads]
-        job.pushes.append(asyncio.create_task(self._push(job, blocks, first)))
+        exported = self.loop.export_kv(request_id, first, num_full - first, _encode)
+        job.pushes.append(asyncio.create_task(self._push(job, exported, first)))
 
-    async def _push(self, job: _Job, blocks: list[tuple[int, bytes]], first_block: int):
+    async def _push(self, job: _Job, exported: asyncio.Future, first_block: int):
         """One chunk's blocks to decode (must arrive before the hand-off) and to the pool (best effort,
         on its own: a slow or dead cache node never delays a hand-off)."""
         msg = job.msg
+        # NOTE: shielded: cancelling the copy's future would unpin its blocks while the copy still reads them.
+        blocks = await asyncio.shield(exported)
         to_pool = [b for i, b in enumerate(blocks) if first_block + i >= job.num_pool_blocks]
         if self.cache is not None and to_pool:
             self._write_pool(msg.request_id, to_pool)

@@ -1,0 +1,47 @@
+"""Importing a request's KV in three phases, so that verifying and copying the bytes never holds up an
+engine step: `LLMEngine.begin_import` reserves the blocks (between steps), `PendingImport.write` verifies
+each payload and copies it into its reserved block (on any thread, while steps run: no step reads or
+writes a block that no sequence has yet), and `LLMEngine.finish_import` enters the sequence (between
+steps). `add_request(kv_payloads=...)` runs the three back to back."""
+
+import logging
+from dataclasses import dataclass, field
+
+from mooncake.engine.kv_cache import PagedKVCache
+from mooncake.engine.sequence import Sequence
+from mooncake.errors import KVPayloadError
+from mooncake.kv_payload import KVPayload
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingImport:
+    seq: Sequence
+    # Per leading block of the prompt, in order: (block, payloads to write there); no payloads for a block
+    # this engine already held (acquired as it is).
+    entries: list[tuple[int, list[KVPayload]]] = field(default_factory=list)
+    num_good: int = 0  # leading entries written and verified (held ones count as good)
+    is_written: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.seq_id
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(len(p.data) for _, parts in self.entries for p in parts)
+
+    def write(self, kv_cache: PagedKVCache, namespace: bytes) -> int:
+        """Verify every payload and copy it into its block, in prefix order, stopping at the first that
+        fails (the rest is recomputed). Safe on any thread while the engine steps. Returns `num_good`."""
+        for block, parts in self.entries:
+            try:
+                for payload in parts:
+                    kv_cache.import_block(block, payload, namespace)
+            except KVPayloadError as exc:
+                log.warning("request %s: imported KV rejected, recomputing from there: %s", self.request_id, exc)
+                break
+            self.num_good += 1
+        self.is_written = True
+        return self.num_good
