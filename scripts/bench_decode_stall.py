@@ -76,10 +76,13 @@ async def run(args) -> dict:
     last: dict[str, tuple[float, str | None]] = {}  # running stream -> (its last token's time, phase)
     phase = {"name": None}
     gaps: dict[str, list[float]] = {name: [] for name in PHASES}
+    finished = []  # joiners that got every token
 
     async def on_outputs(outputs):
         now, name = time.perf_counter(), phase["name"]
         for out in outputs:
+            if out.request_id.startswith("join") and out.finished:
+                finished.append(out.request_id)
             if out.request_id.startswith("stream"):
                 before = last.get(out.request_id)
                 if name and before and before[1] == name:
@@ -98,7 +101,7 @@ async def run(args) -> dict:
 
     # NOTE: the streams are as long as the joiners: the engine pads a decode batch's attention to its
     # longest context, so short streams would make any joiner, KV moved or not, cost several steps' time.
-    stream_params = SamplingParams(max_tokens=4000, ignore_eos=True)
+    stream_params = SamplingParams(max_tokens=min(4000, engine.max_model_len - prompt_tokens), ignore_eos=True)
     for i in range(args.streams):
         ids = joiner(vocab * vocab - 1 - i)
         await loop.call(engine.add_request, ids, stream_params, f"stream-{i}", joiner_payloads(engine, exported, ids))
@@ -147,6 +150,7 @@ async def run(args) -> dict:
     result = {"model": args.model, "dtype": cfg.kv_dtype, "streams": args.streams,
               "prompt_tokens": prompt_tokens, "joiner_kv_mib": round(kv_mib, 1),
               "join_every_s": args.join_every, "joiners": joined,
+              "joiners_finished": len(finished),
               "tbt_p50_s": {n: statistics.median(gaps[n]) for n in PHASES},
               "tbt_p99_s": {n: pct(gaps[n], 0.99) for n in PHASES},
               "tbt_max_s": {n: max(gaps[n]) for n in PHASES},
