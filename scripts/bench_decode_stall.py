@@ -77,6 +77,7 @@ async def run(args) -> dict:
     phase = {"name": None}
     gaps: dict[str, list[float]] = {name: [] for name in PHASES}
     finished = []  # joiners that got every token
+    failure = []  # an engine step's error: the run stops there
 
     async def on_outputs(outputs):
         now, name = time.perf_counter(), phase["name"]
@@ -90,7 +91,7 @@ async def run(args) -> dict:
                 last[out.request_id] = (now, name)
 
     async def on_failed(ids, error):
-        raise RuntimeError(error)
+        failure.append(error)
 
     loop = EngineLoop(engine, on_outputs, on_failed)
     loop.start()
@@ -117,6 +118,8 @@ async def run(args) -> dict:
     try:
         for _ in range(args.rounds):
             for name in PHASES:
+                if failure:
+                    raise RuntimeError(f"an engine step failed: {failure[0]}")
                 if name == "local_hit":
                     for n in range(joined + 1, joined + per_phase + 1):
                         ids = joiner(n)
@@ -165,7 +168,8 @@ async def run(args) -> dict:
 def main() -> None:
     args = parse_args()
     offline_hub()
-    result = asyncio.run(run(args))
+    deadline = 120 + args.rounds * len(PHASES) * (args.phase_s + 5)  # NOTE: a stuck run ends, and says so
+    result = asyncio.run(asyncio.wait_for(run(args), deadline))
     print(f"decode stall: {result['model']} ({result['dtype']}), {args.streams} streams, a joiner with "
           f"{result['prompt_tokens']} prompt tokens ({result['joiner_kv_mib']} MiB of KV) every {args.join_every} s")
     print(f"{'phase':<12} {'gaps':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'p99 / none':>11} {'p99 / hit':>10}")

@@ -86,9 +86,9 @@ class EngineLoop:
     def export_kv(self, request_id: str, first_block: int, num_blocks: int,
                   encode: Callable[[list], object] = list) -> asyncio.Future:
         """`encode(payloads)` of blocks [first_block, first_block + num_blocks) of a request that keeps its
-        KV, copied, checksummed and encoded on the KV thread while steps run. Call it between steps (from `on_outputs`): the
-        blocks are pinned at once, so an abort meanwhile cannot hand them to another request before the
-        copy is done; they are unpinned between two later steps."""
+        KV, copied, checksummed and encoded on the KV thread while steps run. Call it between steps (from
+        `on_outputs`): the blocks are pinned at once, so an abort meanwhile cannot hand them to another
+        request before the copy is done; they are unpinned between two later steps."""
         engine = self.engine
         blocks = engine.pin_blocks(request_id, first_block, num_blocks)
         future = asyncio.get_running_loop().run_in_executor(
