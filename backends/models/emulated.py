@@ -94,8 +94,8 @@ class EmulatedRunner(ModelRunner):
         if batch.num_decode:
             slots = batch.decode_context_slots
             lengths = batch.positions[:batch.num_decode] + 1
-            real = torch.arange(slots.shape[1], device=slots.device)[None, :] < lengths[:, None]
-            sums = (cells[slots].to(torch.int64) * real).sum(dim=1).tolist()
+            past = torch.arange(slots.shape[1], device=slots.device)[None, :] >= lengths[:, None]
+            sums = cells[slots].masked_fill_(past, 0).sum(dim=1, dtype=torch.int64).tolist()
             digests.update(enumerate(sums))
         for span in batch.prefills:
             digests[span.start + span.num_tokens - 1] = int(cells[span.context_slots].to(torch.int64).sum())

@@ -22,38 +22,46 @@ class ScheduledSeq:
 def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.device,
                 dtype: torch.dtype = torch.float32) -> tuple[ForwardBatch, list[Sequence]]:
     """The step's batch, and the sequences whose next token the returned logits give, in row order."""
-    input_ids, positions, logits_indices, sampled = [], [], [], []
+    input_ids, logits_indices, sampled = [], [], []
     decodes = [s for s in scheduled if s.num_new_tokens == 1]
     prefills = [s for s in scheduled if s.num_new_tokens > 1]
-    tables = [torch.tensor(s.seq.block_table, dtype=torch.long) for s in decodes + prefills]
-    slot_mapping = []
-    for item, table in zip(decodes + prefills, tables):
+    # NOTE: a decode's one new token is placed with plain ints; tensors per sequence cost more than the
+    # arithmetic they would do (a step may batch hundreds of decodes).
+    positions = [s.seq.num_computed_tokens for s in decodes]
+    slots = [s.seq.block_table[p // block_size] * block_size + p % block_size for s, p in zip(decodes, positions)]
+    for item in decodes:
+        input_ids.append(item.seq.token_slice(item.seq.num_computed_tokens, item.seq.num_computed_tokens + 1)[0])
+        if item.samples:
+            logits_indices.append(len(input_ids) - 1)
+            sampled.append(item.seq)
+    prefill_tables = [torch.tensor(s.seq.block_table, dtype=torch.long) for s in prefills]
+    prefill_positions = []
+    for item, table in zip(prefills, prefill_tables):
         start = item.seq.num_computed_tokens
         input_ids.extend(item.seq.token_slice(start, start + item.num_new_tokens))
         item_positions = torch.arange(start, start + item.num_new_tokens)
-        positions.append(item_positions)
-        slot_mapping.append(_slots(table, item_positions, block_size))
+        prefill_positions.append(item_positions)
+        slots.extend(_slots(table, item_positions, block_size).tolist())
         if item.samples:
             logits_indices.append(len(input_ids) - 1)
             sampled.append(item.seq)
 
     decode_slots = decode_mask = None
     if decodes:
-        lengths = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes])
+        lengths = torch.tensor(positions) + 1
         max_len = int(lengths.max())
         max_blocks = (max_len + block_size - 1) // block_size
-        padded = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-        for i, table in enumerate(tables[:len(decodes)]):
-            n = min(len(table), max_blocks)
-            padded[i, :n] = table[:n]
-        pos = torch.arange(max_len)
-        decode_slots = padded[:, pos // block_size] * block_size + pos % block_size
+        padded = torch.tensor([s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
+                               for s in decodes], dtype=torch.long)
+        within = torch.arange(block_size)
+        decode_slots = (padded[:, :, None] * block_size + within).reshape(len(decodes), -1)[:, :max_len].contiguous()
         if int(lengths.min()) < max_len:  # additive mask, built once per step for every layer
+            pos = torch.arange(max_len)
             decode_mask = torch.zeros(len(decodes), 1, 1, max_len, dtype=dtype)
             decode_mask.masked_fill_((pos[None, :] >= lengths[:, None])[:, None, None, :], float("-inf"))
 
     spans, offset = [], len(decodes)
-    for item, table in zip(prefills, tables[len(decodes):]):
+    for item, table in zip(prefills, prefill_tables):
         context_len = item.seq.num_computed_tokens + item.num_new_tokens
         context = _slots(table, torch.arange(context_len), block_size)
         spans.append(PrefillSpan(start=offset, num_tokens=item.num_new_tokens, context_slots=context.to(device)))
@@ -61,8 +69,8 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.de
 
     batch = ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.cat(positions).to(device),
-        slot_mapping=torch.cat(slot_mapping).to(device),
+        positions=torch.cat([torch.tensor(positions, dtype=torch.long)] + prefill_positions).to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         num_decode=len(decodes),
         decode_context_slots=None if decode_slots is None else decode_slots.to(device),
         decode_mask=None if decode_mask is None else decode_mask.to(device),
