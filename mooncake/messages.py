@@ -14,7 +14,7 @@ import msgspec
 from mooncake.errors import MooncakeError
 from mooncake.sampling import TokenLogprob
 
-VERSION = 2  # 2: logprobs on PrefillDone and Tokens; kv_dtype and time coefficients on Register
+VERSION = 3  # 2: logprobs on PrefillDone and Tokens; kv_dtype and time coefficients on Register; 3: StepTokens
 _TYPES: dict[str, type] = {}
 
 
@@ -223,6 +223,13 @@ class Tokens(Message, tag="tokens"):
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+
+
+class StepTokens(Message, tag="step_tokens"):
+    """Decode -> conductor: the `Tokens` of every request one engine step produced for, in one message
+    (one send and one receive per step, not one per request: the conductor relays every token)."""
+
+    reports: list[Tokens]
 
 
 class Cancel(Message, tag="cancel"):

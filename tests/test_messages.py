@@ -33,6 +33,8 @@ SAMPLES = [
                   prefill_seconds=0.2, compute_seconds=0.1, fetched_bytes=10, fetch_seconds=0.1),
     m.Decode(request_id="r1", token_ids=[1, 2, 3, 7], block_hashes=[11], sampling={"max_tokens": 3}),
     m.Tokens(request_id="r1", token_ids=[8, 9], finish_reason="length"),
+    m.StepTokens(reports=[m.Tokens(request_id="r1", token_ids=[8]), m.Tokens(request_id="r2", token_ids=[5],
+                                                                             finish_reason="stop")]),
     m.Cancel(request_id="r1", block_hashes=[11]),
     m.RequestFailed(request_id="r1", error="out of KV blocks", is_invalid=True),
 ]

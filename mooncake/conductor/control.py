@@ -3,7 +3,7 @@ on, and the liveness watch that declares a silent instance dead.
 
 A message that names an instance counts only from that instance's own connection (the identity it
 registered with); ZeroMQ refuses a second connection under an identity already connected. Request reports
-(PrefillDone, Tokens, RequestFailed) go to `route`, deaths to `on_dead`; both are the conductor's."""
+(PrefillDone, Tokens, RequestFailed; each of a StepTokens) go to `route`, deaths to `on_dead`; both are the conductor's."""
 
 import asyncio
 import logging
@@ -93,11 +93,12 @@ class ControlPlane:
             except Exception:  # noqa: BLE001  one message must not end the control plane
                 log.exception("handling a control message from %r failed", sender)
                 reply = m.ErrorReply(error="internal error; see the conductor's log")
-            if reply is not None:
+            for answer in reply if isinstance(reply, list) else () if reply is None else (reply,):
                 try:
-                    await self.router.send_multipart([identity, m.encode(reply)])
+                    await self.router.send_multipart([identity, m.encode(answer)])
                 except zmq.ZMQError as exc:  # the sender is gone (ROUTER_MANDATORY)
                     log.debug("cannot answer %r: %s", sender, exc)
+                    break
 
     def _on_frames(self, sender: str, frames: list[bytes]):
         try:
@@ -110,7 +111,8 @@ class ControlPlane:
         return self._handle(msg, sender)
 
     def _handle(self, msg, sender: str):
-        """One control message from the connection whose identity is `sender`; returns the reply, if any."""
+        """One control message from the connection whose identity is `sender`; returns the reply, if any
+        (a list of them for a `StepTokens`)."""
         now = self.clock()
         if isinstance(msg, m.Register):
             return self._register(msg, sender, now)
@@ -130,6 +132,8 @@ class ControlPlane:
             return None
         if isinstance(msg, (m.PrefillDone, m.Tokens, m.RequestFailed)):
             return self.route(msg, sender)
+        if isinstance(msg, m.StepTokens):
+            return [answer for report in msg.reports if (answer := self.route(report, sender)) is not None]
         log.warning("unexpected %s from %r", type(msg).__name__, sender)
         return m.ErrorReply(error=f"the conductor does not take {msg.TAG!r}")
 

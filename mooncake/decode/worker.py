@@ -4,7 +4,7 @@ Its transport serves a KV inbox that prefill instances push blocks into. A `Deco
 claims the request's blocks, imports them into the paged cache (a block missing or failing verification
 is recomputed, never trusted; the bytes are checked and copied on the engine loop's KV thread while
 running requests keep stepping) and joins continuous batching; every step's tokens go back to the
-conductor as `Tokens`. `Cancel` aborts the request and frees its blocks."""
+conductor in one `StepTokens` (a `Tokens` per request). `Cancel` aborts the request and frees its blocks."""
 
 import asyncio
 import logging
@@ -86,11 +86,15 @@ class DecodeWorker(Worker):
         await super().drop(request_id)
 
     async def on_outputs(self, outputs) -> None:
+        reports = [m.Tokens(request_id=out.request_id, token_ids=out.new_token_ids, finish_reason=out.finish_reason,
+                            logprobs=out.logprobs) for out in outputs]
         for out in outputs:
-            await self.link.send(m.Tokens(request_id=out.request_id, token_ids=out.new_token_ids,
-                                          finish_reason=out.finish_reason, logprobs=out.logprobs))
             if out.finished:
                 self.engine.pop_completion(out.request_id)
+        if len(reports) > 1:
+            await self.link.send(m.StepTokens(reports=reports))
+        elif reports:
+            await self.link.send(reports[0])
 
     async def _expire(self) -> None:
         while True:

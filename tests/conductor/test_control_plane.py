@@ -16,6 +16,7 @@ from tests.wire_fuzz import frames
 def cluster(tiny_dir):
     s = Served(**{"conductor.heartbeat_timeout_s": 600.0})  # the stand-ins never heartbeat
     socks = s.fake_instances()
+    s.decode_sock = socks[1]
     yield s
     for sock in socks:
         sock.close(linger=0)
@@ -92,3 +93,15 @@ def test_a_refused_registration_reveals_nothing_of_the_cluster(cluster, stranger
     (reply,) = drain(stranger, 2.0)
     assert not reply.accepted and cluster.conductor.model.model_id not in reply.error
     assert "64" not in reply.error
+
+
+def test_each_report_of_a_step_is_routed_and_a_leg_that_is_over_is_cancelled_one_by_one(cluster):
+    sock = cluster.decode_sock
+    drain(sock)
+    sock.send(m.encode(m.StepTokens(reports=[
+        m.Tokens(request_id="gone-1", token_ids=[5]),
+        m.Tokens(request_id="gone-2", token_ids=[6], finish_reason="length"),  # ended: nothing to free
+        m.Tokens(request_id="gone-3", token_ids=[7]),
+    ])))
+    replies = drain(sock, 2.0)
+    assert [(type(r), r.request_id) for r in replies] == [(m.Cancel, "gone-1"), (m.Cancel, "gone-3")]
