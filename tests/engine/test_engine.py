@@ -11,13 +11,6 @@ from tests.conftest import hf_reference
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["tiny", "emulated"])
-def cfg(request, tiny_dir):
-    from mooncake.models.fetch import fetch_model
-    path = tiny_dir if request.param == "tiny" else fetch_model("emulated-llama3-70b")
-    return EngineConfig(model=str(path), block_size=8, prefill_chunk=16, num_kv_blocks=256, emulation_speedup=1000)
-
-
 @pytest.fixture(scope="module")
 def engine(cfg):
     return LLMEngine(cfg)

@@ -6,20 +6,12 @@ import threading
 
 import pytest
 
-from mooncake.config import EngineConfig
 from mooncake.engine import LLMEngine, SamplingParams
 from mooncake.engine.kv_import import PendingImport
 from mooncake.errors import InvalidRequestError
 from mooncake.instance.engine_loop import EngineLoop
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", params=["tiny", "emulated"])
-def cfg(request, tiny_dir):
-    from mooncake.models.fetch import fetch_model
-    path = tiny_dir if request.param == "tiny" else fetch_model("emulated-llama3-70b")
-    return EngineConfig(model=str(path), block_size=8, prefill_chunk=16, num_kv_blocks=128, emulation_speedup=1000)
 
 
 @pytest.fixture(scope="module")
