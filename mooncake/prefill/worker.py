@@ -22,11 +22,12 @@ from mooncake.transfer.contract import TransferError, make_transport
 
 log = logging.getLogger(__name__)
 
+MAX_POOL_WRITES = 64  # chunks being written to the pool at once; past that, chunks skip the pool
+
 
 def _encode(payloads: list[KVPayload]) -> list[tuple[int, bytes]]:
+    """A chunk's blocks as they go on the wire (run on the KV thread)."""
     return [(p.block_hash, p.to_bytes()) for p in payloads]
-
-MAX_POOL_WRITES = 64  # chunks being written to the pool at once; past that, chunks skip the pool
 
 
 @dataclass
