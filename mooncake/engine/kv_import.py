@@ -22,15 +22,10 @@ class PendingImport:
     # this engine already held (acquired as it is).
     entries: list[tuple[int, list[KVPayload]]] = field(default_factory=list)
     num_good: int = 0  # leading entries written and verified (held ones count as good)
-    is_written: bool = False
 
     @property
     def request_id(self) -> str:
         return self.seq.seq_id
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(len(p.data) for _, parts in self.entries for p in parts)
 
     def write(self, kv_cache: PagedKVCache, namespace: bytes) -> int:
         """Verify every payload and copy it into its block, in prefix order, stopping at the first that
@@ -43,5 +38,4 @@ class PendingImport:
                 log.warning("request %s: imported KV rejected, recomputing from there: %s", self.request_id, exc)
                 break
             self.num_good += 1
-        self.is_written = True
         return self.num_good
