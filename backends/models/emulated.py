@@ -91,12 +91,12 @@ class EmulatedRunner(ModelRunner):
         from the cache (integers, so exact)."""
         cells = kv[0, 0, :, 0, 0]
         digests = {}
-        if batch.num_decode:
-            slots = batch.decode_context_slots
-            lengths = batch.positions[:batch.num_decode] + 1
+        for group in batch.decode_groups:
+            slots = group.context_slots
+            lengths = batch.positions[group.start:group.stop] + 1
             past = torch.arange(slots.shape[1], device=slots.device)[None, :] >= lengths[:, None]
             sums = cells[slots].masked_fill_(past, 0).sum(dim=1, dtype=torch.int64).tolist()
-            digests.update(enumerate(sums))
+            digests.update(enumerate(sums, start=group.start))
         for span in batch.prefills:
             digests[span.start + span.num_tokens - 1] = int(cells[span.context_slots].to(torch.int64).sum())
         return [digests[i] for i in batch.logits_indices.tolist()]

@@ -2,8 +2,8 @@
 
 RMSNorm, RoPE with the config's scaling, grouped-query attention, SwiGLU, tied embeddings and optional
 q/k/v biases (Qwen2). All tokens of a step go through the dense layers as one matrix; attention runs once
-for all decode tokens (padded, masked) and once per prefill chunk. Weights are fused at load (q|k|v and
-gate|up) so a layer is four matmuls."""
+per group of decode tokens of close context lengths (padded, masked) and once per prefill chunk. Weights
+are fused at load (q|k|v and gate|up) so a layer is four matmuls."""
 
 import json
 from pathlib import Path
@@ -99,13 +99,16 @@ class LlamaRunner(ModelRunner):
         nd = batch.num_decode
         decode_out = None
         if nd:
-            # One gather for K and V: [2, nd, ctx, kvh, d] -> [2, nd, kvh, ctx, d]. The query's heads are
-            # grouped per KV head ([nd, kvh, group, d]) so GQA needs no repeat of K and V.
-            slots = batch.decode_context_slots
-            k, v = _gather(kv_layer, slots.view(-1)).view(2, *slots.shape, *kv_layer.shape[2:]).transpose(2, 3)
+            # Per group of close context lengths, one gather for K and V: [2, rows, ctx, kvh, d] ->
+            # [2, rows, kvh, ctx, d]. The query's heads are grouped per KV head ([rows, kvh, group, d]) so
+            # GQA needs no repeat of K and V.
             qd = q[:nd].view(nd, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-            decode_out = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode_mask)
-            decode_out = decode_out.reshape(nd, self.num_heads, self.head_dim)
+            parts = []
+            for group in batch.decode_groups:
+                slots = group.context_slots
+                k, v = _gather(kv_layer, slots.view(-1)).view(2, *slots.shape, *kv_layer.shape[2:]).transpose(2, 3)
+                parts.append(F.scaled_dot_product_attention(qd[group.start:group.stop], k, v, attn_mask=group.mask))
+            decode_out = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(nd, self.num_heads, self.head_dim)
             if not batch.prefills:
                 return decode_out
         out = torch.empty_like(q)

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mooncake.engine.runner import ForwardBatch, PrefillSpan
+from mooncake.engine.runner import DecodeGroup, ForwardBatch, PrefillSpan
 from mooncake.engine.sequence import Sequence
 
 
@@ -23,7 +23,8 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.de
                 dtype: torch.dtype = torch.float32) -> tuple[ForwardBatch, list[Sequence]]:
     """The step's batch, and the sequences whose next token the returned logits give, in row order."""
     input_ids, logits_indices, sampled = [], [], []
-    decodes = [s for s in scheduled if s.num_new_tokens == 1]
+    # NOTE: decodes longest context first, so rows of close lengths sit together (decode_groups).
+    decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: -s.seq.num_computed_tokens)
     prefills = [s for s in scheduled if s.num_new_tokens > 1]
     # NOTE: a decode's one new token is placed with plain ints; tensors per sequence cost more than the
     # arithmetic they would do (a step may batch hundreds of decodes).
@@ -46,19 +47,9 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.de
             logits_indices.append(len(input_ids) - 1)
             sampled.append(item.seq)
 
-    decode_slots = decode_mask = None
-    if decodes:
-        lengths = torch.tensor(positions) + 1
-        max_len = int(lengths.max())
-        max_blocks = (max_len + block_size - 1) // block_size
-        padded = torch.tensor([s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
-                               for s in decodes], dtype=torch.long)
-        within = torch.arange(block_size)
-        decode_slots = (padded[:, :, None] * block_size + within).reshape(len(decodes), -1)[:, :max_len].contiguous()
-        if int(lengths.min()) < max_len:  # additive mask, built once per step for every layer
-            pos = torch.arange(max_len)
-            decode_mask = torch.zeros(len(decodes), 1, 1, max_len, dtype=dtype)
-            decode_mask.masked_fill_((pos[None, :] >= lengths[:, None])[:, None, None, :], float("-inf"))
+    lengths = [p + 1 for p in positions]
+    groups = tuple(_decode_group(decodes, lengths, start, stop, block_size, device, dtype)
+                   for start, stop in _by_length(lengths))
 
     spans, offset = [], len(decodes)
     for item, table in zip(prefills, prefill_tables):
@@ -72,12 +63,44 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.de
         positions=torch.cat([torch.tensor(positions, dtype=torch.long)] + prefill_positions).to(device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         num_decode=len(decodes),
-        decode_context_slots=None if decode_slots is None else decode_slots.to(device),
-        decode_mask=None if decode_mask is None else decode_mask.to(device),
+        decode_groups=groups,
         prefills=tuple(spans),
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
     )
     return batch, sampled
+
+
+PAD_SHARE = 0.25  # a decode row joins a group if padding it to the group's longest is within this share
+PAD_TOKENS = 256  # ... or within this many tokens (small contexts batch whole)
+
+
+def _by_length(lengths: list[int]) -> list[tuple[int, int]]:
+    """Row ranges of close context lengths, `lengths` in descending order: each range's rows are padded to
+    its first (longest), wasting at most PAD_SHARE of it or PAD_TOKENS."""
+    ranges, start = [], 0
+    for i, length in enumerate(lengths):
+        if lengths[start] - length > max(PAD_SHARE * lengths[start], PAD_TOKENS):
+            ranges.append((start, i))
+            start = i
+    if lengths:
+        ranges.append((start, len(lengths)))
+    return ranges
+
+
+def _decode_group(decodes: list[ScheduledSeq], lengths: list[int], start: int, stop: int, block_size: int,
+                  device: torch.device, dtype: torch.dtype) -> DecodeGroup:
+    max_len = lengths[start]
+    max_blocks = (max_len + block_size - 1) // block_size
+    tables = [decodes[i].seq.block_table[:max_blocks] for i in range(start, stop)]
+    padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+    slots = (padded[:, :, None] * block_size + torch.arange(block_size)).reshape(stop - start, -1)[:, :max_len]
+    mask = None
+    if lengths[stop - 1] < max_len:  # additive mask, built once per step for every layer
+        real = torch.tensor(lengths[start:stop])
+        mask = torch.zeros(stop - start, 1, 1, max_len, dtype=dtype)
+        mask.masked_fill_((torch.arange(max_len)[None, :] >= real[:, None])[:, None, None, :], float("-inf"))
+        mask = mask.to(device)
+    return DecodeGroup(start, stop, slots.contiguous().to(device), mask)
 
 
 def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

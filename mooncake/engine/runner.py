@@ -22,6 +22,17 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Decode rows [start, stop) whose contexts are close in length: gathered and attended together,
+    padded only to the longest of them (one long context does not pad every row of the batch)."""
+
+    start: int
+    stop: int
+    context_slots: torch.Tensor  # [rows, max_context] padded context slots
+    mask: torch.Tensor | None  # [rows, 1, 1, max_context] additive: 0 real, -inf padding; None: no padding
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     """One step's work as plain tensors; the flat token order is decode tokens first, then prefill spans."""
 
@@ -29,9 +40,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens]
     slot_mapping: torch.Tensor  # [num_tokens] where each token's new KV goes
     num_decode: int  # the first num_decode tokens each belong to a different sequence
-    decode_context_slots: torch.Tensor | None  # [num_decode, max_context] padded context slots
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_context] additive: 0 real, -inf padding;
-    # None when every decode sequence has the same context length
+    decode_groups: tuple["DecodeGroup", ...]  # the decode rows, by context length, in row order
     prefills: tuple[PrefillSpan, ...]
     logits_indices: torch.Tensor  # [num_sampled] flat indices whose logits are returned
 

@@ -143,3 +143,17 @@ def test_corrupted_import_is_a_miss_and_output_stays_exact(engine, cfg):
     out = other.pop_completion(rid)
     assert out.num_cached_tokens == 2 * cfg.block_size  # blocks 0 and 1 imported; the chain stops at 2
     assert out.token_ids == engine.generate([ids], GREEDY)[0].token_ids
+
+
+def test_decodes_of_far_apart_lengths_attend_in_groups_and_match_each_alone(engine):
+    vocab = engine.runner.vocab_size
+    prompts = [[(7 * i) % (vocab - 2) + 1 for i in range(n)] for n in (700, 650, 300, 12)]
+    alone = [engine.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == alone
+
+
+def test_decode_rows_are_grouped_by_length_within_the_padding_allowance():
+    from mooncake.engine.batch import _by_length
+    assert _by_length([1000, 900, 300, 20]) == [(0, 2), (2, 3), (3, 4)]  # 1000 pads 900 by 10%; 300 is far
+    assert _by_length([200, 10, 1]) == [(0, 3)]  # short contexts batch whole
+    assert _by_length([]) == []
