@@ -2,7 +2,8 @@
 """Decode stall benchmark: how much requests joining a decode instance (their prompt's KV imported)
 slow the streams already running there, in one run.
 
-A decode engine on its engine loop runs `--streams` requests for good. Phases, taken in turn
+A decode engine on its engine loop runs `--streams` requests for good (their prompts `--stream-blocks`
+blocks long). Phases, taken in turn
 `--rounds` times so the box's noise falls on each alike:
 - `no_arrivals`: nothing joins;
 - `local_hit`: the same arrivals as below, their KV already in this engine's prefix cache (put there
@@ -45,6 +46,7 @@ def parse_args():
     p.add_argument("--dtype", default="auto")
     p.add_argument("--streams", type=int, default=8, help="requests decoding throughout")
     p.add_argument("--prompt-blocks", type=int, default=16, help="KV blocks (64 tokens) each joiner brings")
+    p.add_argument("--stream-blocks", type=int, default=4, help="KV blocks (64 tokens) of each stream's prompt")
     p.add_argument("--join-every", type=float, default=0.5, help="seconds between joiners")
     p.add_argument("--phase-s", type=float, default=5.0, help="seconds per phase per round")
     p.add_argument("--rounds", type=int, default=4)
@@ -100,12 +102,12 @@ async def run(args) -> dict:
         ids[0], ids[1] = n % (vocab - 2) + 1, n // (vocab - 2) % (vocab - 2) + 1  # its own block hashes
         return ids
 
-    # NOTE: the streams are as long as the joiners: the engine pads a decode batch's attention to its
-    # longest context, so short streams would make any joiner, KV moved or not, cost several steps' time.
-    stream_params = SamplingParams(max_tokens=min(4000, engine.max_model_len - prompt_tokens), ignore_eos=True)
+    stream_tokens = args.stream_blocks * cfg.block_size + 1
+    stream_params = SamplingParams(max_tokens=min(4000, engine.max_model_len - stream_tokens), ignore_eos=True)
     for i in range(args.streams):
-        ids = joiner(vocab * vocab - 1 - i)
-        await loop.call(engine.add_request, ids, stream_params, f"stream-{i}", joiner_payloads(engine, exported, ids))
+        ids = joiner(vocab * vocab - 1 - i)[:stream_tokens]
+        await loop.call(engine.add_request, ids, stream_params, f"stream-{i}",
+                        joiner_payloads(engine, exported, ids)[:args.stream_blocks])
     await asyncio.sleep(2.0)  # every stream decoding
     joined, admissions = 0, set()
     joiner_params = SamplingParams(max_tokens=2, ignore_eos=True)
