@@ -3,7 +3,8 @@ on, and the liveness watch that declares a silent instance dead.
 
 A message that names an instance counts only from that instance's own connection (the identity it
 registered with); ZeroMQ refuses a second connection under an identity already connected. Request reports
-(PrefillDone, Tokens, RequestFailed; each of a StepTokens) go to `route`, deaths to `on_dead`; both are the conductor's."""
+(PrefillDone, Tokens, RequestFailed; each of a StepTokens) go to `route`, deaths to `on_dead`; both are
+the conductor's."""
 
 import asyncio
 import logging

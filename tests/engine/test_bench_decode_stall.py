@@ -9,7 +9,8 @@ import sys
 def test_a_short_stall_run_admits_every_joiner_and_measures_every_phase(tmp_path, tiny_dir):
     out = tmp_path / "stall.json"
     run = subprocess.run([sys.executable, "scripts/bench_decode_stall.py", "--model", str(tiny_dir),
-                          "--dtype", "float32", "--streams", "2", "--stream-blocks", "1", "--prompt-blocks", "2", "--join-every", "0.2",
+                          "--dtype", "float32", "--streams", "2", "--stream-blocks", "1", "--prompt-blocks", "2",
+                          "--join-every", "0.2",
                           "--phase-s", "0.6", "--rounds", "1", "--json", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
