@@ -1,19 +1,24 @@
 """The KV block payload every role moves (DESIGN section 4): one block's K and V, all layers or one,
 laid out [layer][k|v][token][kv_head][dim], with its hash, model namespace, dtype, shape and checksum.
 
-Wire form: u32 LE header length || msgpack header || raw bytes. A receiver calls `verify()` and treats
-a failure as a miss."""
+Wire form: u32 LE header length || u64 LE xxh3 of the header || msgpack header || raw bytes. The header
+carries the raw bytes' checksum, and the header's own hash covers the header, so a payload is checked end
+to end by its consumer alone: transports move it without hashing it again (`self_checked`,
+mooncake/transfer/contract.py). `from_bytes` checks the header; `verify()` the bytes and the metadata.
+A receiver treats a failure as a miss."""
 
 import struct
 from dataclasses import dataclass
 
 import msgpack
+import xxhash
 
 from mooncake.errors import KVPayloadError
 from mooncake.hashing import checksum
 
-PAYLOAD_VERSION = 1
-_HEADER_LEN = struct.Struct("<I")
+PAYLOAD_VERSION = 2  # 2: the header's own hash after its length
+_xxh3 = xxhash.xxh3_64_intdigest
+_PREFIX = struct.Struct("<IQ")  # header length, xxh3-64 of the header
 
 
 @dataclass(frozen=True)
@@ -47,18 +52,22 @@ class KVPayload:
 
     def to_bytes(self) -> bytes:
         header = self.header()
-        return b"".join((_HEADER_LEN.pack(len(header)), header, self.data))  # one copy of the data
+        return b"".join((_PREFIX.pack(len(header), _xxh3(header)), header, self.data))  # one copy of the data
 
     @classmethod
     def from_bytes(cls, buf: bytes | memoryview) -> "KVPayload":
         view = memoryview(buf)
         try:
-            (header_len,) = _HEADER_LEN.unpack_from(view, 0)
-            header = msgpack.unpackb(view[4:4 + header_len])
+            header_len, header_hash = _PREFIX.unpack_from(view, 0)
+            header_bytes = view[_PREFIX.size:_PREFIX.size + header_len]
+            if len(header_bytes) != header_len or _xxh3(header_bytes) != header_hash:
+                raise KVPayloadError("KV payload header fails its check (corrupted, or written by another "
+                                     "mooncake version)")
+            header = msgpack.unpackb(header_bytes)
             version = header["v"]
             if version != PAYLOAD_VERSION:
                 raise KVPayloadError(f"KV payload version {version}, this build reads {PAYLOAD_VERSION}")
-            data = view[4 + header_len:]
+            data = view[_PREFIX.size + header_len:]
             if len(data) != header["nbytes"]:
                 raise KVPayloadError(f"KV payload truncated: {len(data)} of {header['nbytes']} bytes")
             return cls(block_hash=header["hash"], namespace=header["ns"], dtype=header["dtype"],
