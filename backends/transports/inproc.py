@@ -5,7 +5,7 @@ import time
 
 from mooncake.transfer.contract import BlockResult, BlockService, TransferError, TransferResult, Transport, \
     new_request_id
-from mooncake.transfer.framing import Tamper, block_frames, verify_blocks
+from mooncake.transfer.framing import Tamper, block_frames, self_checked_sums, verify_blocks
 
 _ENDPOINTS: dict[str, "InprocTransport"] = {}
 _counter = iter(range(1, 1 << 62))
@@ -36,11 +36,11 @@ class InprocTransport(Transport):
             raise TransferError(f"transfer {request_id}: peer {peer} is not serving")
         return endpoint
 
-    async def send(self, peer, blocks, timeout_s, request_id=None) -> TransferResult:
+    async def send(self, peer, blocks, timeout_s, request_id=None, self_checked=False) -> TransferResult:
         request_id = request_id or new_request_id()
         start = time.perf_counter()
         endpoint = self._peer(peer, request_id)
-        keys, sizes, sums, frames = block_frames(blocks, self.tamper)
+        keys, sizes, sums, frames = block_frames(blocks, self.tamper, self_checked_sums(blocks, self_checked))
         results = []
         for block, digest in zip(verify_blocks(keys, sums, [bytes(f) for f in frames]), sums):
             if block.ok:
@@ -52,8 +52,13 @@ class InprocTransport(Transport):
         request_id = request_id or new_request_id()
         start = time.perf_counter()
         endpoint = self._peer(peer, request_id)
-        found = [(k, d) for k in keys if (d := endpoint.service.get_block(k)) is not None]
-        _, sizes, sums, frames = block_frames(found, endpoint.tamper)
+        service = endpoint.service
+        if service.locates_blocks:  # the checksum it kept (or SELF_CHECKED) instead of a fresh hash
+            located = [(k, loc) for k in keys if (loc := service.locate_block(k)) is not None]
+            found, known = [(k, loc.data) for k, loc in located], [loc.checksum for _, loc in located]
+        else:
+            found, known = [(k, d) for k in keys if (d := service.get_block(k)) is not None], None
+        _, sizes, sums, frames = block_frames(found, endpoint.tamper, known)
         by_key = {k: (s, bytes(f)) for (k, _), s, f in zip(found, sums, frames)}
         results = verify_blocks(keys, [by_key.get(k, (None, b""))[0] for k in keys],
                                 [by_key.get(k, (None, b""))[1] for k in keys])

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from backends.transports.staged import StagedTransport
-from mooncake.transfer.contract import BlockResult, TransferError, TransferResult, new_request_id
+from mooncake.transfer.contract import SELF_CHECKED, BlockResult, TransferError, TransferResult, new_request_id
 from mooncake.transfer.framing import pack_header
 from mooncake.transfer.windows import WriteWindows
 
@@ -208,23 +208,23 @@ class ShmTransport(StagedTransport):
 
     # -- write windows: the sender side ---------------------------------------------------------------
 
-    async def send(self, peer, blocks, timeout_s, request_id=None):
+    async def send(self, peer, blocks, timeout_s, request_id=None, self_checked=False):
         request_id = request_id or new_request_id()
         if peer in self._no_windows:
-            return await super().send(peer, blocks, timeout_s, request_id)
+            return await super().send(peer, blocks, timeout_s, request_id, self_checked)
         if request_id in self._placing:  # as in _request: an id names one transfer at a time
             raise TransferError(f"transfer {request_id} to {peer}: a transfer with this id is already in flight")
         self._placing.add(request_id)
         try:
             deadline = self._now() + timeout_s
-            result = await self._send_placed(peer, blocks, deadline, request_id)
+            result = await self._send_placed(peer, blocks, deadline, request_id, self_checked)
         finally:
             self._placing.discard(request_id)
         if result is not None:
             return result
-        return await super().send(peer, blocks, self._left(deadline), request_id)
+        return await super().send(peer, blocks, self._left(deadline), request_id, self_checked)
 
-    async def _send_placed(self, peer, blocks, deadline, request_id):
+    async def _send_placed(self, peer, blocks, deadline, request_id, self_checked):
         """Write `blocks` into the peer's window and have it adopt them; None when the peer lends no
         window now (the caller then puts the usual way)."""
         views = [(key, memoryview(data).cast("B")) for key, data in blocks]
@@ -239,7 +239,8 @@ class ShmTransport(StagedTransport):
         cursor, window.cursor = window.cursor, window.cursor + need  # taken now: no await in between
         target = np.frombuffer(window.view, dtype=np.uint8)
         for key, view in views:
-            sums.append(self._place(target[cursor:cursor + len(view)], key, view))
+            sums.append(self._place(target[cursor:cursor + len(view)], key, view,
+                                    SELF_CHECKED if self_checked else None))
             offsets.append(cursor)
             cursor += len(view)
         frames = [pack_header("put-placed", request_id, window=window.window_id, keys=[k for k, _ in views],

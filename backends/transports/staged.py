@@ -13,6 +13,7 @@ import numpy as np
 from backends.transports.tcp import TcpTransport
 from mooncake.arena import Arena
 from mooncake.hashing import checksum
+from mooncake.transfer.contract import SELF_CHECKED
 from mooncake.transfer.passes import copy_checked, copy_summed
 
 REPLY_TTL_S = 30.0
@@ -59,34 +60,36 @@ class StagedTransport(TcpTransport):
         sizes = [len(v) for _, v in views]
         offset = self._stage(sum(sizes))
         cursor, summed = offset, []
-        for key, view in views:
-            place = self.buffer[cursor:cursor + len(view)]
-            if sums is None or self.tamper:
-                summed.append(self._place(place, key, view))
-            else:  # the service knows these blocks' checksums: a plain copy
-                np.copyto(place, np.frombuffer(view, dtype=np.uint8))
+        for i, (key, view) in enumerate(views):
+            summed.append(self._place(self.buffer[cursor:cursor + len(view)], key, view,
+                                      None if sums is None else sums[i]))
             cursor += len(view)
-        sums = sums if sums is not None else summed
+        sums = summed
         return {"keys": [k for k, _ in views], "sums": sums, "sizes": sizes,
                 "addr": self.base_address + offset, "staged": offset, **self._locator()}, []
 
-    def _place(self, place: np.ndarray, key: int, view) -> int:
-        """Write one block's bytes at `place` (a uint8 array of its length); the block's checksum. With a
-        tamper hook, the checksum is of the true bytes and what lands is what the hook made of them."""
+    def _place(self, place: np.ndarray, key: int, view, known: int | None = None) -> int:
+        """Write one block's bytes at `place` (a uint8 array of its length); the block's checksum: `known`
+        where given (a checksum the service kept, or SELF_CHECKED), a plain copy then, else hashed as
+        copied. With a tamper hook, the checksum is of the true bytes and what lands is what the hook made
+        of them."""
         if self.tamper:
             np.copyto(place, np.frombuffer(self.tamper(key, bytes(view)), dtype=np.uint8))
-            return checksum(view)
+            return checksum(view) if known is None else known
+        if known is not None:
+            np.copyto(place, np.frombuffer(view, dtype=np.uint8))
+            return known
         return copy_summed(place, view)
 
     def _outgoing_located(self, located, request_id):
-        if self.tamper:
-            return self._outgoing([(k, loc.data) for k, loc in located], request_id)
         return self._outgoing([(k, loc.data) for k, loc in located], request_id,
                               sums=[loc.checksum for _, loc in located])
 
-    def _kept(self, blocks):
-        # Views into a buffer that is reused once this transfer is done: copied, and hashed as copied.
-        copies = [copy_checked(block) for block in blocks]
+    def _kept(self, blocks, sums):
+        # Views into a buffer that is reused once this transfer is done: copied, and hashed as copied
+        # unless the block carries its own check.
+        copies = [(memoryview(np.frombuffer(block, dtype=np.uint8).copy()), SELF_CHECKED) if digest == SELF_CHECKED
+                  else copy_checked(block) for block, digest in zip(blocks, sums)]
         return [copy for copy, _ in copies], [digest for _, digest in copies]
 
     def _sent(self, fields):

@@ -15,7 +15,8 @@ from mooncake import security
 from mooncake.addresses import advertised
 from mooncake.transfer.contract import BlockResult, BlockService, TransferError, TransferResult, Transport, \
     new_request_id
-from mooncake.transfer.framing import Tamper, block_frames, pack_header, unpack_header, verify_blocks
+from mooncake.transfer.framing import Tamper, block_frames, pack_header, self_checked_sums, unpack_header, \
+    verify_blocks
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class TcpTransport(Transport):
                     raise ValueError(f"{len(header['keys'])} keys but {len(blocks)} blocks of data")
                 digests = None
                 if self.service.keeps_blocks:  # it keeps what it gets: hand it its own
-                    blocks, digests = self._kept(blocks)
+                    blocks, digests = self._kept(blocks, header["sums"])
                 errors = []
                 verified = verify_blocks(header["keys"], header["sums"], blocks, digests)
                 for block, digest in zip(verified, header["sums"]):
@@ -169,15 +170,17 @@ class TcpTransport(Transport):
 
     # How block bytes travel; shm.py overrides these two to move them through shared memory.
 
-    def _outgoing(self, blocks, request_id: str) -> tuple[dict, list]:
-        """Header fields and frames carrying `blocks`."""
-        keys, sizes, sums, frames = block_frames(blocks, self.tamper)
+    def _outgoing(self, blocks, request_id: str, sums: list[int] | None = None) -> tuple[dict, list]:
+        """Header fields and frames carrying `blocks`; `sums`, where given, their checksums already known
+        (or SELF_CHECKED), else they are hashed here."""
+        keys, sizes, sums, frames = block_frames(blocks, self.tamper, sums)
         return {"keys": keys, "sums": sums}, frames
 
     def _outgoing_located(self, located: list, request_id: str) -> tuple[dict, list]:
         """Like `_outgoing`, for blocks whose checksum the service already knows: no hashing here."""
         if self.tamper:
-            return self._outgoing([(k, loc.data) for k, loc in located], request_id)
+            return self._outgoing([(k, loc.data) for k, loc in located], request_id,
+                                  [loc.checksum for _, loc in located])
         views = [memoryview(loc.data).cast("B") for _, loc in located]
         return {"keys": [k for k, _ in located], "sums": [loc.checksum for _, loc in located]}, views
 
@@ -186,10 +189,10 @@ class TcpTransport(Transport):
         """The blocks' bytes, in the header's key order, valid inside the `with`."""
         yield frames
 
-    def _kept(self, blocks: list) -> tuple[list, list]:
+    def _kept(self, blocks: list, sums: list[int]) -> tuple[list, list]:
         """Received blocks the receiver may keep (a fetch's results, or a put for a service that keeps
-        blocks), and their checksums where already computed (None: the verifier hashes it). A ZeroMQ
-        frame is already the receiver's own."""
+        blocks), and their checksums where already computed (None: the verifier hashes it); `sums` are
+        the sender's (SELF_CHECKED: not to be hashed). A ZeroMQ frame is already the receiver's own."""
         return blocks, [None] * len(blocks)
 
     # -- client side ------------------------------------------------------------------------------
@@ -271,10 +274,10 @@ class TcpTransport(Transport):
             raise TransferError(f"transfer {request_id} to {peer}: peer refused it: {header.get('error')}")
         return header, data
 
-    async def send(self, peer, blocks, timeout_s, request_id=None) -> TransferResult:
+    async def send(self, peer, blocks, timeout_s, request_id=None, self_checked=False) -> TransferResult:
         request_id = request_id or new_request_id()
         start = time.perf_counter()
-        fields, frames = self._outgoing(blocks, request_id)
+        fields, frames = self._outgoing(blocks, request_id, self_checked_sums(blocks, self_checked))
         try:
             header, _ = await self._request(peer, request_id, [pack_header("put", request_id, **fields), *frames],
                                             timeout_s)
@@ -290,7 +293,7 @@ class TcpTransport(Transport):
         header, data = await self._request(peer, request_id, [pack_header("get", request_id, keys=keys)],
                                            timeout_s)
         with self._incoming(header, data) as views:
-            blocks, digests = self._kept(views)
+            blocks, digests = self._kept(views, header["sums"])
         if "staged" in header:  # tell the peer its staged reply may be reused; no answer expected
             self._notify(peer, [pack_header("release", request_id, staged=header["staged"])])
         by_key = {k: (s, b, d) for k, s, b, d in zip(header["keys"], header["sums"], blocks, digests)}

@@ -28,7 +28,8 @@ class StoreService(BlockService):
     """Adapts the store to the transports' BlockService: capacity errors become per-block errors, and a
     block being sent is pinned by a short lease instead of copied. It also takes the checksum the
     transport verified on a put and hands it back on a read (`locate_block`), so a block is hashed once
-    on its way in and never again by this node; with a shared DRAM tier, it says where the block lies
+    on its way in and never again by this node (a block put SELF_CHECKED, a KV payload, is never hashed
+    here at all: its consumer checks it); with a shared DRAM tier, it says where the block lies
     so a same-host reader copies it straight out of the store."""
 
     locates_blocks = True

@@ -1,6 +1,11 @@
 """The transport contract: batch send and fetch of KV blocks to and from a peer, with a deadline,
 checksums verified by the receiver, a result per block and per-transfer metrics.
 
+A block that carries its own check (an encoded KVPayload, checked end to end by its consumer) is sent
+with `self_checked=True`: no transport hashes or verifies it, and its checksum field reads SELF_CHECKED
+from the sender through a cache node's store to whoever fetches it. Only frames with no check of their
+own are hashed by the transport.
+
 Callers: the cache role `start()`s a transport with a `BlockService` (its store) so peers can put and get
 blocks; prefill and decode instances `send()` new blocks and `fetch()` cached ones. Backends (found by name
 in `mooncake.registry`): `backends/transports/inproc.py` (tests), `tcp.py` (ZeroMQ), `shm.py` (same host)."""
@@ -15,6 +20,11 @@ from types import MappingProxyType
 import numpy as np
 
 from mooncake.errors import MooncakeError
+
+
+SELF_CHECKED = -1
+"""A block's checksum field (on the wire, in `put_block`, in a store, in a BlockLocation) meaning "it
+carries its own check, verified by its consumer": never hashed in between. Real checksums are u64."""
 
 
 class TransferError(MooncakeError):
@@ -42,7 +52,8 @@ class BlockService(ABC):
     @abstractmethod
     def put_block(self, key: int, data: memoryview, checksum: int | None = None) -> str | None:
         """Store a verified block; None on success, else a one-line reason. `checksum` is the one the
-        transport verified, for a service that keeps it (so the block is never hashed again)."""
+        transport verified, for a service that keeps it (so the block is never hashed again), or
+        SELF_CHECKED for a block that carries its own check (kept as such and served back as such)."""
 
     @abstractmethod
     def get_block(self, key: int) -> bytes | memoryview | None:
@@ -124,13 +135,15 @@ class Transport(ABC):
 
     @abstractmethod
     async def send(self, peer: str, blocks: list[tuple[int, bytes | memoryview]], timeout_s: float,
-                   request_id: str | None = None) -> TransferResult:
-        """Put blocks into the peer's service; per-block results say which were stored."""
+                   request_id: str | None = None, self_checked: bool = False) -> TransferResult:
+        """Put blocks into the peer's service; per-block results say which were stored. `self_checked`:
+        every block carries its own check (SELF_CHECKED): neither side hashes it."""
 
     @abstractmethod
     async def fetch(self, peer: str, keys: list[int], timeout_s: float,
                     request_id: str | None = None) -> TransferResult:
-        """Get blocks from the peer's service; a missing or corrupted block is a per-block error."""
+        """Get blocks from the peer's service; a missing or corrupted block is a per-block error (a block
+        stored SELF_CHECKED is not verified here: its consumer does)."""
 
     @abstractmethod
     async def stop(self) -> None: ...

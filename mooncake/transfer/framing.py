@@ -1,7 +1,7 @@
 """Wire framing shared by the message-based transports: a MAC frame (the header's, under the cluster
 key, mooncake/security.py; empty without keys), a msgpack header frame, then one frame per block.
 Headers carry the op, the request id, keys, sizes and xxh3 checksums; the receiver of data verifies
-every block before using it.
+every block before using it, except those whose checksum reads SELF_CHECKED (their consumer does).
 
 `tamper` is a fault-injection hook for tests: applied to outgoing block bytes after checksumming."""
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 import msgpack
 
 from mooncake.hashing import checksum
-from mooncake.transfer.contract import BlockResult
+from mooncake.transfer.contract import SELF_CHECKED, BlockResult
 
 WIRE_VERSION = 3  # 2: checksums two-level above one chunk (mooncake/hashing.py); 3: a MAC frame first
 # NOTE: a message is [MAC, header, block...]; the MAC (mooncake/security.py `seal`) is empty without keys.
@@ -31,16 +31,24 @@ def unpack_header(frame) -> dict:
     return header
 
 
-def block_frames(blocks: list[tuple[int, bytes | memoryview]], tamper: Tamper = None):
-    """(keys, sizes, checksums, data frames) for a list of blocks."""
-    keys, sizes, sums, frames = [], [], [], []
+def block_frames(blocks: list[tuple[int, bytes | memoryview]], tamper: Tamper = None,
+                 sums: list[int] | None = None):
+    """(keys, sizes, checksums, data frames) for a list of blocks. `sums`, where given, are the blocks'
+    checksums already known (or SELF_CHECKED): no hashing here."""
+    keys, sizes, frames = [], [], []
     for key, data in blocks:
         view = memoryview(data).cast("B")
         keys.append(key)
         sizes.append(len(view))
-        sums.append(checksum(view))
         frames.append(tamper(key, bytes(view)) if tamper else view)
-    return keys, sizes, sums, frames
+    if sums is None:
+        sums = [checksum(memoryview(data).cast("B")) for _, data in blocks]
+    return keys, sizes, list(sums), frames
+
+
+def self_checked_sums(blocks: list, self_checked: bool) -> list[int] | None:
+    """The checksum field of blocks sent with `self_checked`, or None (the transport hashes them)."""
+    return [SELF_CHECKED] * len(blocks) if self_checked else None
 
 
 def verify_blocks(keys, sums, frames, digests=None) -> list[BlockResult]:
@@ -51,6 +59,8 @@ def verify_blocks(keys, sums, frames, digests=None) -> list[BlockResult]:
         view = memoryview(frame).cast("B") if not isinstance(frame, memoryview) else frame
         if digest is None:
             results.append(BlockResult(key, error="not found"))
+        elif digest == SELF_CHECKED:  # its consumer verifies it
+            results.append(BlockResult(key, data=view))
         elif (checksum(view) if digests is None or digests[i] is None else digests[i]) != digest:
             results.append(BlockResult(key, error="checksum mismatch: corrupted in transit"))
         else:

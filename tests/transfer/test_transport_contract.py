@@ -11,9 +11,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from mooncake import hashing
 from mooncake.registry import load_backend
 from mooncake.hashing import checksum
-from mooncake.transfer.contract import BlockService, TransferError
+from mooncake.transfer.contract import SELF_CHECKED, BlockService, TransferError
 from mooncake.transfer.framing import WIRE_VERSION
 from tests.transfer.conftest import KeepingService
 
@@ -106,6 +107,30 @@ def test_flipped_byte_is_reported_per_block_never_returned(name):
             got = await client.fetch(address, [0, 1, 3], timeout_s=10)  # 3 is large: hashed as it is copied
             assert [b.ok for b in got.blocks] == [True, False, False]
             assert all(b.data is None and "checksum" in b.error for b in got.blocks[1:])
+        finally:
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_self_checked_block_is_neither_hashed_nor_verified_in_transit(name, monkeypatch):
+    """A block that carries its own check (a KV payload) crosses without a hash on either side, flagged
+    SELF_CHECKED to the service; a byte flipped on the way reaches the service as it is, for the
+    consumer's own check to catch (tests/test_kv_payload.py, tests/store/test_store_service.py)."""
+    async def run():
+        server, client, service, address = await pair(name, client_tamper=flip_byte_of(2))
+        try:
+            blocks = payloads()
+            hashed = []
+            real = hashing._xxh3
+            monkeypatch.setattr(hashing, "_xxh3", lambda data: hashed.append(len(data)) or real(data))
+            sent = await client.send(address, blocks, timeout_s=10, self_checked=True)
+            assert sent.ok and hashed == []
+            assert all(service.sums[k] == SELF_CHECKED for k, _ in blocks)
+            assert [service.blocks[k] == d for k, d in blocks] == [True, True, False, True]
+            plain = await client.send(address, [(9, blocks[1][1])], timeout_s=10)  # no flag: hashed as ever
+            assert plain.ok and hashed and service.sums[9] == checksum(blocks[1][1])
         finally:
             await client.stop()
             await server.stop()
