@@ -71,14 +71,20 @@ class KVStore:
         self._lease_expiry: list[tuple[float, int]] = []
         self._leased = Counter()  # key -> live leases
         self._sums: dict[int, int] = {}  # key -> xxh3 of its bytes, once known (objects are immutable)
+        # Keys removed while leased: they go when their last lease ends, and a put of one meanwhile is kept
+        # (key -> (data, position, checksum)) to take its place then.
+        self._doomed: dict[int, tuple | None] = {}
 
     # -- writes -----------------------------------------------------------------------------------
 
     def put(self, key: int, data, position: int = 0, checksum: int | None = None) -> None:
         """Store an immutable block; a key already held is a no-op. `position` is the block's index in
-        its prompt (for length-aware eviction); `checksum`, when the caller verified one, is kept so
-        readers can be given it without hashing again. Raises CapacityError if no tier can make room."""
+        its prompt (for length-aware eviction); `checksum`, when the caller verified one (or
+        SELF_CHECKED, for a block its consumer checks), is kept so readers can be given it without hashing
+        again. Raises CapacityError if no tier can make room."""
         if self._tier_of(key) is not None:
+            if key in self._doomed:  # the held copy goes once read: this one replaces it then
+                self._doomed[key] = (bytes(memoryview(data).cast("B")), position, checksum)
             return
         if checksum is not None:
             self._sums[key] = checksum
@@ -134,6 +140,8 @@ class KVStore:
         """Make a reserved range, written and verified, block `key` of the DRAM tier. If the key is
         already held (a put of a held key is a no-op) the range is released instead."""
         if self._tier_of(key) is not None:
+            if key in self._doomed:
+                self._doomed[key] = (bytes(self.reserved_view(offset, size)), position, checksum)
             self.release_reserved(offset, size)
             return None
         top = self.tiers[0]
@@ -148,12 +156,16 @@ class KVStore:
         self.tiers[0].release(offset, size)
 
     def remove(self, key: int) -> bool:
-        """Drop a block now; False if absent or leased (a leased block stays until its lease ends)."""
+        """Drop a block (one a reader found corrupted, say): now, or, while leases hold it, as soon as the
+        last one ends; a put of the key meanwhile is kept and takes its place then. False if absent."""
         self._expire_leases()
         tier = self._tier_of(key)
-        if tier is None or self._leased[key]:
+        if tier is None:
             return False
-        self._drop(tier, key)
+        if self._leased[key]:
+            self._doomed.setdefault(key, None)
+        else:
+            self._drop(tier, key)
         return True
 
     # -- reads ------------------------------------------------------------------------------------
@@ -189,9 +201,12 @@ class KVStore:
     def release(self, lease_id: int) -> None:
         entry = self._leases.pop(lease_id, None)
         if entry is not None:
-            self._leased[entry[0]] -= 1
-            if not self._leased[entry[0]]:
-                del self._leased[entry[0]]
+            key = entry[0]
+            self._leased[key] -= 1
+            if not self._leased[key]:
+                del self._leased[key]
+                if key in self._doomed:
+                    self._replace_doomed(key)
 
     def exists(self, key: int) -> str | None:
         """The name of the tier holding `key`, or None."""
@@ -281,6 +296,19 @@ class KVStore:
         tier.put(key, data)  # DRAM is all leased: keep serving from where it was
         self.policies[tier.name].touch(key)
         return tier
+
+    def _replace_doomed(self, key: int) -> None:
+        """A removed block's last lease has ended: drop it, and put what was put meanwhile, if anything."""
+        replacement = self._doomed.pop(key)
+        tier = self._tier_of(key)
+        if tier is not None:
+            self._drop(tier, key)
+        if replacement is not None:
+            data, position, digest = replacement
+            try:
+                self.put(key, data, position, digest)
+            except CapacityError:
+                pass  # as any put that finds the store full: the block is simply not cached
 
     def _drop(self, tier: StorageTier, key: int) -> None:
         tier.remove(key)

@@ -49,10 +49,28 @@ def test_leased_blocks_are_never_evicted_and_full_store_is_a_capacity_error():
     with pytest.raises(CapacityError, match="store full"):
         store.put(9, bytes(100))
     assert all(store.exists(k) for k in range(3))
-    assert not store.remove(0)  # leased: stays until released
+    assert store.remove(0) and store.exists(0) == "dram"  # leased: goes when released
     store.release(leases[0].lease_id)
     store.put(9, bytes(100))
     assert store.exists(0) is None and store.exists(9) == "dram"
+
+
+def test_a_block_removed_while_leased_goes_when_read_and_a_put_meanwhile_replaces_it():
+    """A reader found the block corrupted and had it removed while its own read still leased it; the
+    copy it recomputed and put meanwhile takes the bad one's place once the lease ends."""
+    store, clock = make(lease_s=2.0)
+    store.put(1, b"bad!" * 25)
+    lease = store.get(1)
+    assert store.remove(1) and bytes(store.get(1).data) == b"bad!" * 25  # still served while leased
+    store.put(1, b"good" * 25, checksum=5)  # held: kept for later, not stored now
+    store.release(lease.lease_id)
+    assert store.exists(1) == "dram"  # one lease (the second get's) still holds the bad copy
+    clock.now = 3.0
+    assert bytes(store.get(1).data) == b"good" * 25 and store._sums[1] == 5
+    assert [e.kind for e in store.drain_events()] == ["add", "evict", "add"]
+    assert store.remove(1) is True and store.remove(9) is False
+    clock.now = 6.0
+    assert store.get(1) is None  # removed with nothing put meanwhile: gone
 
 
 def test_leases_expire():
