@@ -60,11 +60,12 @@ class EngineLoop:
         return future
 
     async def add_request_with_kv(self, prompt_token_ids: list[int], params, request_id: str,
-                                  payloads: list, keep_kv: bool = False) -> str:
+                                  payloads: list, keep_kv: bool = False) -> int:
         """`engine.add_request(kv_payloads=...)` with the payloads verified and copied into their blocks on
         the KV thread while steps run (mooncake/engine/kv_import.py): only reserving the blocks and
         entering the request happen between steps. Cancelled midway, it frees what it reserved as soon as
-        nothing uses it any more."""
+        nothing uses it any more. Returns how many leading prompt blocks the request entered with (held
+        here or imported and verified); the rest are computed."""
         engine = self.engine
         begun = self._queue(engine.begin_import, prompt_token_ids, params, request_id, payloads, keep_kv)
         try:
@@ -81,7 +82,8 @@ class EngineLoop:
             written.add_done_callback(lambda _: self._queue(engine.cancel_import, pending))
             raise
         # NOTE: shielded: once written, the request enters the engine; a drop that cancelled us aborts it next.
-        return await asyncio.shield(self._queue(engine.finish_import, pending))
+        await asyncio.shield(self._queue(engine.finish_import, pending))
+        return pending.num_good
 
     def export_kv(self, request_id: str, first_block: int, num_blocks: int,
                   encode: Callable[[list], object] = list) -> asyncio.Future:

@@ -140,9 +140,11 @@ class PrefillWorker(Worker):
             if msg.request_id not in self.jobs:
                 return  # cancelled while reading the pool
             if payloads:  # verified and copied in while other requests keep stepping
-                await self.loop.add_request_with_kv(msg.token_ids, params, msg.request_id, payloads, True)
+                kept = await self.loop.add_request_with_kv(msg.token_ids, params, msg.request_id, payloads, True)
                 if msg.request_id not in self.jobs:  # cancelled while its blocks were copied in
                     await self.loop.call(self.engine.abort, msg.request_id)
+                elif kept < job.num_pool_blocks:  # a pool block failed its check: recomputed here
+                    self._forget_pool_block(job, kept)
             else:
                 await self.loop.call(self.engine.add_request, msg.token_ids, params, msg.request_id, (), True)
         except (InvalidRequestError, TypeError) as exc:
@@ -175,10 +177,27 @@ class PrefillWorker(Worker):
             try:
                 payloads.append(KVPayload.from_bytes(data))
             except KVPayloadError as exc:  # a bad block is a miss: compute from there
-                log.warning("%s: request %s: pool block %#x unusable: %s", self.name, msg.request_id, key, exc)
+                self._forget_pool_block(job, local + len(payloads), str(exc))
                 break
         job.num_pool_blocks = local + len(payloads)
         return payloads
+
+    def _forget_pool_block(self, job: _Job, index: int, why: str = "it failed its check") -> None:
+        """The pool served block `index` of the request's prompt corrupted (no transport checks a KV payload:
+        its reader does). It is computed here instead: remove the bad copy so that the recomputed one,
+        written back like any new block, takes its place (a put of a key the pool holds is a no-op)."""
+        key = job.msg.block_hashes[index]
+        job.num_pool_blocks = index
+        log.warning("%s: request %s: pool block %#x unusable (%s); removing it from the pool, recomputing",
+                    self.name, job.msg.request_id, key, why)
+        task = asyncio.create_task(self.cache.remove_blocks([key]))
+        self._pool_writes.add(task)  # NOTE: best effort, as pool writes are: it never fails the request
+
+        def done(t: asyncio.Task) -> None:
+            self._pool_writes.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("%s: removing pool block %#x failed: %r", self.name, key, t.exception())
+        task.add_done_callback(done)
 
     async def on_outputs(self, outputs) -> None:
         # Every request that computed in this step, finished or mid-prompt, streams what just filled. A
@@ -232,8 +251,9 @@ class PrefillWorker(Worker):
         if delay := self._transfer_s_per_block * len(blocks):
             await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
         # NOTE: one transfer id per chunk: several chunks of a request may be in flight at once.
+        # NOTE: self_checked: each block is a KVPayload that decode verifies as it imports it (one check).
         result = await self.transport.send(msg.decode_address, blocks, self._time_left(job),
-                                           f"{msg.request_id}/{first_block}")
+                                           f"{msg.request_id}/{first_block}", self_checked=True)
         if not result.ok:
             bad = next(b for b in result.blocks if not b.ok)
             raise TransferError(f"decode {msg.decode_id} at {msg.decode_address} did not take block "
@@ -246,7 +266,7 @@ class PrefillWorker(Worker):
             log.info("%s: %d pool writes pending; %d blocks of %s not written to the pool", self.name,
                      len(self._pool_writes), len(blocks), request_id)
             return
-        task = asyncio.create_task(self.cache.put_blocks(blocks))
+        task = asyncio.create_task(self.cache.put_blocks(blocks, self_checked=True))
         self._pool_writes.add(task)
 
         def done(t: asyncio.Task) -> None:

@@ -148,14 +148,16 @@ class CacheClient:
             return xxhash.xxh3_64_intdigest(key.to_bytes(8, "little") + node.control_address.encode())
         return sorted(self.nodes, key=score, reverse=True)
 
-    async def put_blocks(self, blocks: list[tuple[int, bytes]]) -> dict[int, str | None]:
-        """Write each block to its replicas; per key, None if at least one replica took it, else why not."""
+    async def put_blocks(self, blocks: list[tuple[int, bytes]], self_checked: bool = False) -> dict[int, str | None]:
+        """Write each block to its replicas; per key, None if at least one replica took it, else why not.
+        `self_checked`: the blocks carry their own check (encoded KVPayloads), so neither the transport
+        nor the node hashes them, and readers get them unverified for their consumer to check."""
         plan: dict[int, list[tuple[int, bytes]]] = {}
         for key, data in blocks:
             for node in self.ranked_nodes(key)[:self.config.replica_num]:
                 plan.setdefault(id(node), []).append((key, data))
         by_id = {id(n): n for n in self.nodes}
-        outcomes = await _all([self._send(by_id[i], group) for i, group in plan.items()])
+        outcomes = await _all([self._send(by_id[i], group, self_checked) for i, group in plan.items()])
         stored, errors = set(), {key: [] for key, _ in blocks}
         for outcome in outcomes:
             for key, error in outcome.items():
@@ -166,19 +168,21 @@ class CacheClient:
         return {key: None if key in stored else "; ".join(errors[key]) or "no replica reachable"
                 for key, _ in blocks}
 
-    async def _send(self, node: _Node, blocks) -> dict[int, str | None]:
+    async def _send(self, node: _Node, blocks, self_checked: bool) -> dict[int, str | None]:
         if not node.is_up:
             return {key: f"cache node {node.control_address} is down" for key, _ in blocks}
         transport = self.transports[node.hello.transport]
         try:
-            result = await transport.send(node.hello.data_address, blocks, self.config.timeout_s)
+            result = await transport.send(node.hello.data_address, blocks, self.config.timeout_s,
+                                          self_checked=self_checked)
         except TransferError as exc:
             self._down(node, str(exc))
             return {key: str(exc) for key, _ in blocks}
         return {b.key: b.error for b in result.blocks}
 
     async def get_blocks(self, keys: list[int]) -> dict[int, bytes | memoryview | None]:
-        """Each key's bytes (verified), or None where no live node holds it."""
+        """Each key's bytes, or None where no live node holds it. Bytes are verified by the transport
+        unless they were put `self_checked` (their consumer checks those)."""
         found: dict[int, bytes | None] = {key: None for key in keys}
         candidates = {key: [n for n in self.ranked_nodes(key) if n.is_up] for key in keys}
         pending = list(dict.fromkeys(keys))
@@ -220,6 +224,17 @@ class CacheClient:
             if isinstance(reply, m.ExistsReply):
                 held = [h or t is not None for h, t in zip(held, reply.tiers)]
         return next((i for i, h in enumerate(held) if not h), len(keys))
+
+    async def remove_blocks(self, keys: list[int]) -> int:
+        """Remove `keys` from every live node (a block its reader found corrupted, say); how many copies
+        went. A node that does not answer is marked down, as for any call."""
+        live = [n for n in self.nodes if n.is_up]
+        replies = await asyncio.gather(*(self._call(n, m.Remove(keys=list(keys))) for n in live),
+                                       return_exceptions=True)
+        for node, reply in zip(live, replies):
+            if isinstance(reply, TransferError):
+                self._down(node, str(reply))
+        return sum(sum(r.removed) for r in replies if isinstance(r, m.RemoveReply))
 
     async def stats(self) -> dict[str, dict]:
         """Each live node's counters (hits, misses, bytes, evictions, transfer rates), by control address."""

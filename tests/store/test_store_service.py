@@ -4,13 +4,18 @@ way out, and over shm a reader copies blocks straight out of the store's shared 
 import asyncio
 import os
 
+import numpy as np
 import pytest
 
+from mooncake import hashing
 from mooncake.config import StoreConfig
+from mooncake.errors import KVPayloadError
 from mooncake.hashing import checksum
+from mooncake.kv_payload import KVPayload
 from mooncake.registry import load_backend
 from mooncake.store.server import StoreService
 from mooncake.store.store import KVStore
+from mooncake.transfer.contract import SELF_CHECKED
 
 
 async def serve(transport_name: str, shared: bool):
@@ -35,6 +40,39 @@ def test_blocks_round_trip_and_are_hashed_once_on_the_node(name, shared, monkeyp
             got = await client.fetch(address, [0, 1, 2, 9], timeout_s=10)
             assert [bytes(b.data) for b in got.blocks[:3]] == [d for _, d in blocks]
             assert got.blocks[3].error == "not found" and calls == []  # no re-hash on the node
+        finally:
+            await client.stop()
+            await server.stop()
+            store.close()
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("name, shared", [("tcp", False), ("shm", True), ("shm", False)])
+def test_a_kv_payload_crosses_the_pool_unhashed_and_its_consumer_catches_corruption(name, shared, monkeypatch):
+    """One check from export to import: a payload put `self_checked` is hashed by no transport and not by
+    the node, on the way in or out; a byte flipped while it sat in the pool reaches the reader, whose
+    KVPayload check refuses it."""
+    async def run():
+        store, server, client, address = await serve(name, shared)
+        try:
+            data = os.urandom(1 << 20)
+            wire = KVPayload(block_hash=7, namespace=b"m", dtype="uint8", shape=(len(data),), layer=None,
+                             checksum=checksum(data), data=data).to_bytes()
+            hashed = []
+            real = hashing._xxh3
+            monkeypatch.setattr(hashing, "_xxh3", lambda buf: hashed.append(len(buf)) or real(buf))
+            assert (await client.send(address, [(7, wire)], timeout_s=10, self_checked=True)).ok
+            got = await client.fetch(address, [7], timeout_s=10)
+            assert got.ok and bytes(got.blocks[0].data) == wire and hashed == []
+            assert store._sums == {7: SELF_CHECKED}
+            monkeypatch.undo()
+            KVPayload.from_bytes(got.blocks[0].data).verify(namespace=b"m")  # the one check
+            lease = store.get(7, lease_s=1.0)
+            np.frombuffer(lease.data, dtype=np.uint8)[len(wire) - 100] ^= 0xFF  # corrupted where it sits
+            bad = await client.fetch(address, [7], timeout_s=10)
+            assert bad.ok  # no transport check on the way out either...
+            with pytest.raises(KVPayloadError, match="checksum"):  # ...the consumer's catches it
+                KVPayload.from_bytes(bad.blocks[0].data).verify(namespace=b"m")
         finally:
             await client.stop()
             await server.stop()
