@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from mooncake import security  # noqa: E402
 from mooncake.config import CacheClientConfig, load_config  # noqa: E402
-from mooncake.transfer.contract import BlockService  # noqa: E402
+from mooncake.hashing import checksum  # noqa: E402
+from mooncake.transfer.contract import SELF_CHECKED, BlockLocation, BlockService  # noqa: E402
 from mooncake.registry import load_backend  # noqa: E402
 from mooncake.runtime import tune_allocator  # noqa: E402
 
@@ -43,18 +44,27 @@ class Sink(BlockService):
     """The peer's BlockService in this benchmark: keeps the last bytes per key, as the decode inbox does.
     Like the inbox it says `keeps_blocks`, so each transport hands it bytes it may hold: a tcp receiver
     its ZeroMQ frames as they are; shm and mooncake a copy out of their reused buffers, hashed as it is
-    copied."""
+    copied (unless the block carries its own check). A fetch is served as a cache node serves it: with
+    the checksum a block was put with; one put without hashes each fetch (a plain get_block would)."""
 
     keeps_blocks = True
+    locates_blocks = True
 
     def __init__(self):
-        self.blocks = {}
+        self.blocks, self.sums = {}, {}
 
     def put_block(self, key, data, checksum=None):
-        self.blocks[key] = data
+        self.blocks[key], self.sums[key] = data, checksum
 
     def get_block(self, key):
         return self.blocks.get(key)
+
+    def locate_block(self, key):
+        data = self.blocks.get(key)
+        if data is None:
+            return None
+        known = self.sums.get(key)
+        return BlockLocation(data, known if known is not None else checksum(data))
 
 
 # -- peer process ----------------------------------------------------------------------------------
@@ -62,8 +72,9 @@ class Sink(BlockService):
 async def serve_transport(name: str, sizes: list[int], host: str = "127.0.0.1") -> None:
     transport = load_backend("transports", name)(host=host)
     sink = Sink()
-    for size in sizes:  # blocks the client will fetch
+    for size in sizes:  # blocks the client will fetch: hashed each time, and one that carries its own check
         sink.blocks[size] = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8).tobytes()
+        sink.put_block(size + 1, sink.blocks[size], SELF_CHECKED)
     print(await transport.start(sink), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the client closes it
     await transport.stop()
@@ -205,13 +216,17 @@ def bench_raw_zmq(address: str, size: int, budget: int, in_flight: int = 1) -> f
 async def bench_transport(name: str, address: str, size: int, budget: int, window: int,
                           host: str = "127.0.0.1") -> dict[str, float]:
     """send and fetch rates, one transfer at a time and with `window` in flight (a stream of blocks, as
-    prefill pushes KV chunk after chunk: one side stages the next while the other verifies this one)."""
+    prefill pushes KV chunk after chunk: one side stages the next while the other verifies this one).
+    `_own` rows: blocks that carry their own check (KV payloads: `self_checked`), which no transport
+    hashes; the others are hashed by sender and receiver, as any frame without a check of its own."""
     client = load_backend("transports", name)(host=host)
     await client.start()
     payload = np.random.default_rng(2).integers(0, 255, size, dtype=np.uint8).tobytes()
     n = iterations(size, budget)
     ops = {"send": lambda: client.send(address, [(size, payload)], timeout_s=30),
-           "fetch": lambda: client.fetch(address, [size], timeout_s=30)}
+           "send_own": lambda: client.send(address, [(size, payload)], timeout_s=30, self_checked=True),
+           "fetch": lambda: client.fetch(address, [size], timeout_s=30),
+           "fetch_own": lambda: client.fetch(address, [size + 1], timeout_s=30)}
     rates = {}
     try:
         for op_name, op in ops.items():
@@ -259,16 +274,17 @@ async def bench_store(config_path: Path, control: str, sizes: list[int], budget:
         for size in sizes:
             payload = np.random.default_rng(3).integers(0, 255, size, dtype=np.uint8).tobytes()
             n = iterations(size, budget)
-            t0 = time.perf_counter()
-            for _ in range(n):  # every put is a new key: a repeated key would be a no-op
-                key += 1
-                assert (await client.put_blocks([(key, payload)]))[key] is None
-            put = rate(size, time.perf_counter() - t0, n)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                assert (await client.get_blocks([key]))[key] is not None
-            get = rate(size, time.perf_counter() - t0, n)
-            results[size] = {"put": put, "get": get}
+            results[size] = {}
+            for suffix, own in (("", False), ("_own", True)):  # _own: KV payloads, put self_checked
+                t0 = time.perf_counter()
+                for _ in range(n):  # every put is a new key: a repeated key would be a no-op
+                    key += 1
+                    assert (await client.put_blocks([(key, payload)], self_checked=own))[key] is None
+                results[size][f"put{suffix}"] = rate(size, time.perf_counter() - t0, n)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    assert (await client.get_blocks([key]))[key] is not None
+                results[size][f"get{suffix}"] = rate(size, time.perf_counter() - t0, n)
         await client.stop()
         return results
     finally:
@@ -306,7 +322,7 @@ def measure(args, sizes: list[int], budget: int) -> dict[int, dict[str, float]]:
                       f'events_address = "tcp://127.0.0.1:{free_port()}"\ntransport = "shm"\n')
     try:
         for size, row in asyncio.run(bench_store(config, control, sizes, budget)).items():
-            table[size]["store_put"], table[size]["store_get"] = row["put"], row["get"]
+            table[size].update({f"store_{op}": value for op, value in row.items()})
     finally:
         config.unlink(missing_ok=True)
 
@@ -477,6 +493,11 @@ def main() -> None:
         if "store_put" in row:  # a same-host cache node: one copy each way (write windows, reads from DRAM)
             parts.append(f"store put/memcpy {row['store_put'] / row['memcpy']:.2f}x, "
                          f"get/memcpy {row['store_get'] / row['memcpy']:.2f}x")
+        own = [f"{name} {op} {row[f'{name}_{op}_own'] / row[f'{name}_{op}']:.2f}x"
+               for name in [n for n in args.transports.split(",") if n] + ["store"]
+               for op in (("put", "get") if name == "store" else ("send", "fetch")) if f"{name}_{op}_own" in row]
+        if own:
+            parts.append("own check/hashed in transit: " + ", ".join(own))
         if "mc_store_put" in row:
             parts.append(f"store put/Mooncake Store {row['store_put'] / row['mc_store_put']:.2f}x (>= 5), "
                          f"get {row['store_get'] / row['mc_store_get']:.2f}x (>= 3)")
