@@ -52,6 +52,12 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, namespace: bytes,
     return hashes
 
 
+def layer_key(block_hash: int, layer: int) -> int:
+    """The key one layer's slice of a block travels under (layer-wise KV streaming): distinct from the
+    block's own hash and from every other layer's, the same on every node."""
+    return xxhash.xxh3_64_intdigest(struct.pack("<QI", block_hash, layer), seed=HASH_SEED)
+
+
 def checksum(data) -> int:
     """Payload checksum of any contiguous buffer. Up to CHECKSUM_CHUNK_BYTES: xxh3-64 of the raw bytes.
     Above: xxh3-64 of the xxh3-64 digests of its CHECKSUM_CHUNK_BYTES chunks (u64 LE, in order), a

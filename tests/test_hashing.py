@@ -6,7 +6,7 @@ import pytest
 import xxhash
 
 from mooncake.hashing import (CHECKSUM_CHUNK_BYTES, PARALLEL_MIN_BYTES, checksum, hash_block, hash_blocks,
-                              make_namespace)
+                              layer_key, make_namespace)
 
 NS = make_namespace("model-a", 4, "float32")
 
@@ -75,3 +75,10 @@ def test_threads_share_the_checksum_worker():
     blocks = [os.urandom(PARALLEL_MIN_BYTES + i) for i in range(4)]
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(checksum, blocks * 3)) == [_two_level(b) for b in blocks * 3]
+
+
+def test_each_layer_of_a_block_has_its_own_key_the_same_on_every_node():
+    hashes = hash_blocks(list(range(64)), 4, NS)
+    keys = [layer_key(h, layer) for h in hashes for layer in range(80)]
+    assert len(set(keys) | set(hashes)) == len(keys) + len(hashes)  # no two alike, none a block's own
+    assert layer_key(hashes[0], 3) == layer_key(hashes[0], 3) and all(0 <= k < 1 << 64 for k in keys)

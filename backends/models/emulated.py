@@ -28,6 +28,8 @@ KV_MODULUS = 251  # KV values are small integers: exact in every dtype, so diges
 
 
 class EmulatedRunner(ModelRunner):
+    models_time = True
+
     def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, speedup: float = 1.0):
         path = Path(model_dir) / "config.json"
         config = json.loads(path.read_text())
@@ -69,9 +71,10 @@ class EmulatedRunner(ModelRunner):
             seconds += self.cost.prefill_s(total, total - span.num_tokens)
         return seconds
 
-    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: torch.Tensor, on_layer=None) -> torch.Tensor:
         """The batch's KV and logits at once; the engine then waits out `modelled_step_s` (from the step's
-        start, so scheduling, sampling and this count toward it)."""
+        start, so scheduling, sampling and this count toward it), calling `on_layer` at each layer's
+        modelled end."""
         self.last_modelled_s = self.step_seconds(batch)
         self.modelled_step_s = self.last_modelled_s / self.speedup
         self._write_kv(batch, kv)

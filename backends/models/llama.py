@@ -73,7 +73,7 @@ class LlamaRunner(ModelRunner):
         self.intermediate = self.layers[0]["wgu"].shape[0] // 2 if self.layers else 0
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: torch.Tensor, on_layer=None) -> torch.Tensor:
         n = batch.input_ids.shape[0]
         hidden = F.embedding(batch.input_ids, self.embed)
         cos, sin = self.cos.index_select(0, batch.positions), self.sin.index_select(0, batch.positions)
@@ -86,6 +86,8 @@ class LlamaRunner(ModelRunner):
             kv_layer = kv[layer_id]
             kv_layer[0].index_copy_(0, batch.slot_mapping, k)
             kv_layer[1].index_copy_(0, batch.slot_mapping, v.view(n, self.num_kv_heads, self.head_dim))
+            if on_layer is not None:
+                on_layer(layer_id)
             attn = self._attention(batch, q, kv_layer)
             hidden = hidden + F.linear(attn.view(n, self.q_size), w["wo"], w["bo"])
             x = _rms_norm(hidden, w["ln2"], self.eps)

@@ -6,6 +6,7 @@ layer), and `add_request(kv_payloads=...)` imports such payloads so a sequence r
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,16 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
+
+
+@dataclass(frozen=True)
+class FilledBlocks:
+    """Blocks of one keep_kv request that a step fills, streamed layer by layer (`LLMEngine.layer_sink`):
+    indices [first_block, first_block + len(blocks)) of its prompt, each (block, hash), pinned."""
+
+    request_id: str
+    first_block: int
+    blocks: list[tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.pool)
         self.seqs: dict[str, Sequence] = {}
         self._importing: set[str] = set()  # request ids between begin_import and finish/cancel_import
+        # Layer-wise KV streaming (a prefill instance's engine loop sets it): each step that fills blocks of
+        # keep_kv requests pins them and calls layer_sink(i, filled) once layer i's KV is written, on the
+        # engine thread (it must only hand the work on), then layer_sink(None, filled) when the step is
+        # over, whether it ran or failed: from then on the sink owes the pins' release (`pool.release`).
+        self.layer_sink: Callable[[int | None, list[FilledBlocks]], None] | None = None
         self._tokenizer = None
         log.info("engine ready: model %s (%s), %d KV blocks of %d tokens on %s/%s",
                  config.model, self.model.model_id, num_blocks, self.block_size, self.device, config.kv_dtype)
@@ -185,14 +201,47 @@ class LLMEngine:
         if not scheduled:
             return []
         batch, sampled = build_batch(scheduled, self.block_size, self.device, self.dtype)
-        logits = self.runner.forward(batch, self.kv_cache.kv)
-        self.scheduler.on_computed(scheduled)
-        tokens = sample(logits, sampled)
-        outputs = self._postprocess(sampled, tokens, logprobs_of(logits, sampled, tokens))
-        self.last_modelled_s = self.runner.modelled_step_s
-        if self.last_modelled_s and (wait := self.last_modelled_s - (time.perf_counter() - started)) > 0:
-            time.sleep(wait)  # on the engine thread, as a device step would hold it
+        filled = self._filling(scheduled) if self.layer_sink is not None else []
+        sink = self.layer_sink
+        on_layer = (lambda layer: sink(layer, filled)) if filled else None
+        try:
+            logits = self.runner.forward(batch, self.kv_cache.kv, None if self.runner.models_time else on_layer)
+            self.scheduler.on_computed(scheduled)
+            tokens = sample(logits, sampled)
+            outputs = self._postprocess(sampled, tokens, logprobs_of(logits, sampled, tokens))
+            self.last_modelled_s = self.runner.modelled_step_s
+            if self.runner.models_time:  # on the engine thread, as a device step would hold it
+                self._wait_modelled(started, self.last_modelled_s or 0.0, on_layer)
+        finally:
+            if filled:
+                sink(None, filled)
         return outputs
+
+    def _filling(self, scheduled: list) -> list[FilledBlocks]:
+        """The prompt blocks of keep_kv requests that this step fills, pinned (see `layer_sink`)."""
+        filled = []
+        for s in scheduled:
+            seq = s.seq
+            if not seq.keep_kv:
+                continue
+            first = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+            last = min((seq.num_computed_tokens + s.num_new_tokens) // self.block_size, len(seq.block_hashes))
+            if last > first:
+                filled.append(FilledBlocks(seq.seq_id, first, [(seq.block_table[i], seq.block_hashes[i])
+                                                               for i in range(first, last)]))
+        self.pool.acquire([block for f in filled for block, _ in f.blocks])
+        return filled
+
+    def _wait_modelled(self, started: float, modelled_s: float, on_layer) -> None:
+        """Hold the engine thread until the modelled step is over; with `on_layer`, call it at each layer's
+        modelled end (layers take equal shares of the step)."""
+        num_layers = self.runner.kv_spec.num_layers if on_layer is not None else 0
+        for layer in range(num_layers):
+            if (wait := started + modelled_s * (layer + 1) / num_layers - time.perf_counter()) > 0:
+                time.sleep(wait)
+            on_layer(layer)
+        if (wait := started + modelled_s - time.perf_counter()) > 0:
+            time.sleep(wait)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
         """Run prompts to completion together (continuous batching); results in prompt order."""

@@ -5,6 +5,7 @@ and prefill chunks of many sequences; the runner writes their new KV into the pa
 logits for the tokens listed in `logits_indices`. `kv_spec` sizes the cache at start-up."""
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,10 @@ class ModelRunner(ABC):
     """Tokens of KV the modelled hardware holds, for a runner that emulates it (the engine then sizes its
     cache to that, not to engine.kv_cache_bytes); None: the cache is sized by bytes."""
 
+    models_time: bool = False
+    """True for a runner that emulates hardware: its forward returns at once and sets `modelled_step_s`,
+    which the engine then waits out."""
+
     modelled_step_s: float | None = None
     """What the last forward should have taken on the hardware the runner emulates (after its speedup),
     set by each forward; engines compare it with what the step really took. None for a real runner."""
@@ -80,6 +85,10 @@ class ModelRunner(ABC):
         return cls(model_dir, device, dtype)
 
     @abstractmethod
-    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: torch.Tensor,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Write the batch's new KV into `kv` ([layers, 2, slots, kv_heads, head_dim]) and return
-        float32 logits [len(batch.logits_indices), vocab_size]."""
+        float32 logits [len(batch.logits_indices), vocab_size]. `on_layer(i)`, where given, is called as
+        soon as layer i's new KV is in `kv`, before layer i + 1 computes (layer-wise KV streaming). A
+        runner that models its time (`modelled_step_s`) does not call it: the engine calls it at the
+        modelled layer times."""

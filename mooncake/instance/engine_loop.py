@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable
 
 from mooncake.engine import LLMEngine
-from mooncake.engine.engine import RequestOutput
+from mooncake.engine.engine import FilledBlocks, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,28 @@ class EngineLoop:
                 log.debug("exporting the KV of %s failed: %r", request_id, f.exception())
         future.add_done_callback(unpin)
         return future
+
+    def stream_layers(self, deliver: Callable[[int, list[FilledBlocks], asyncio.Future], None],
+                      encode: Callable[[list], object] = list) -> None:
+        """Layer-wise KV streaming: from now on, as each step writes layer i of blocks it fills for keep_kv
+        requests, `deliver(i, filled, future)` is called on the event loop, where `future` gives, per
+        entry of `filled` (an engine.FilledBlocks), `encode(its payloads of layer i)`, copied and
+        checksummed on the KV thread while the next layers compute. The engine pins those blocks for the
+        step; they are released between two later steps, once every layer of them has been copied."""
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+
+        def sink(layer: int | None, filled: list[FilledBlocks]) -> None:  # on the engine thread
+            if layer is None:  # the step is over: release the pins after its copies (one KV thread, in order)
+                blocks = [block for f in filled for block, _ in f.blocks]
+                self._kv_executor.submit(lambda: None).add_done_callback(
+                    lambda _: loop.call_soon_threadsafe(self._queue, engine.pool.release, blocks))
+                return
+            exported = self._kv_executor.submit(
+                lambda: [encode(engine.export_blocks(f.blocks, layer)) for f in filled])
+            loop.call_soon_threadsafe(lambda: deliver(layer, filled, asyncio.wrap_future(exported)))
+
+        engine.layer_sink = sink
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
