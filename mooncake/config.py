@@ -228,6 +228,10 @@ class InstanceConfig:
     data_address: str = ""  # decode's KV inbox; empty: any free loopback port
     use_cache_pool: bool = True  # prefill reads reused blocks from, and writes new ones to, the cache nodes
     stream_kv: bool = True  # prefill pushes each chunk's KV while computing the next; false: all at the end
+    # With stream_kv: each layer's KV of a chunk leaves as soon as that layer is computed, while the next
+    # layers compute (the paper's layer-wise streaming), so only the last layer's share of the last
+    # chunk lands on TTFT; false: a chunk's blocks leave whole after its step.
+    stream_layers: bool = False
     kv_inbox_ttl_s: float = 60.0  # decode drops KV no request claimed within this long
     kv_inbox_bytes: int = 1 << 30  # decode holds at most this much unclaimed KV; more is refused
 
@@ -237,6 +241,8 @@ class InstanceConfig:
                "must be a ZeroMQ address like tcp://127.0.0.1:7700")
         _check(self.kv_inbox_ttl_s > 0, "instance.kv_inbox_ttl_s", "must be > 0")
         _check(self.kv_inbox_bytes > 0, "instance.kv_inbox_bytes", "must be > 0")
+        _check(self.stream_kv or not self.stream_layers, "instance.stream_layers",
+               "needs instance.stream_kv = true (layers stream within chunk-wise streaming)")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ def test_values_are_loaded(tmp_path):
     ("[store]\neviction = 'fifo'\n", "store.eviction"),
     ("[conductor]\nplacement = 'magic'\n", "conductor.placement"),
     ("[conductor]\ntbt_slo_s = 0\n", "conductor.tbt_slo_s"),
+    ("[instance]\nstream_kv = false\nstream_layers = true\n", "instance.stream_layers"),
 ])
 def test_bad_keys_name_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):

@@ -9,6 +9,7 @@ migration, may push and claim the same block) but expires after ORPHAN_TTL_S ins
 
 import time
 
+from mooncake.hashing import layer_key
 from mooncake.transfer.contract import BlockService
 
 ORPHAN_TTL_S = 3.0  # an uncounted copy (of a cancelled request, landed late) waits this long for a claim
@@ -59,6 +60,31 @@ class KVInbox(BlockService):
             if entry[1] <= 0:
                 self._drop(key)
         return found
+
+    def claim_blocks(self, block_hashes: list[int], num_layers: int) -> list[bytes | memoryview]:
+        """The leading run of blocks present, each as it came: whole (one payload, under its hash) or by
+        layer (one payload per layer, under `layer_key`s); one copy of each taken out of the inbox."""
+        found = []
+        for block_hash in block_hashes:
+            keys = [block_hash]
+            if block_hash not in self._blocks:
+                keys = [layer_key(block_hash, layer) for layer in range(num_layers)]
+                if not all(key in self._blocks for key in keys):
+                    break
+            found.extend(self.claim(keys))
+        return found
+
+    def release_blocks(self, block_hashes: list[int], num_layers: int, by_layer: bool) -> int:
+        """`release` of a cancelled request's blocks, each under the keys it came (or, not here yet, will
+        come) by: its hash, or its layers' keys when some are here or the sender streams layers."""
+        keys = []
+        for block_hash in block_hashes:
+            layers = [layer_key(block_hash, layer) for layer in range(num_layers)]
+            if block_hash in self._blocks or not (by_layer or any(key in self._blocks for key in layers)):
+                keys.append(block_hash)
+            else:
+                keys.extend(layers)
+        return self.release(keys)
 
     def release(self, keys: list[int]) -> int:
         """Give back one copy of each of `keys` (a cancelled request's unclaimed blocks); how many blocks

@@ -50,22 +50,23 @@ class DecodeWorker(Worker):
             self._admissions[msg.request_id] = self.spawn_for(msg.request_id, self._admit(msg), "admission")
         elif isinstance(msg, m.Cancel):
             if msg.block_hashes:
-                self.inbox.release(msg.block_hashes)
+                self.inbox.release_blocks(msg.block_hashes, self.engine.runner.kv_spec.num_layers,
+                                          self.config.instance.stream_layers)
             await self.drop(msg.request_id)
         else:
             log.warning("%s: unexpected %s from the conductor", self.name, type(msg).__name__)
 
     async def _admit(self, msg: m.Decode) -> None:
         payloads = []
-        for data in self.inbox.claim(msg.block_hashes):
+        for data in self.inbox.claim_blocks(msg.block_hashes, self.engine.runner.kv_spec.num_layers):
             try:
                 payloads.append(KVPayload.from_bytes(data))
             except KVPayloadError as exc:
                 log.warning("%s: request %s: %s; recomputing from there", self.name, msg.request_id, exc)
                 break
-        if len(payloads) < len(msg.block_hashes):
+        if (arrived := len({p.block_hash for p in payloads})) < len(msg.block_hashes):  # whole or by layer
             log.info("%s: request %s: %d of %d prompt blocks arrived; computing the rest here", self.name,
-                     msg.request_id, len(payloads), len(msg.block_hashes))
+                     msg.request_id, arrived, len(msg.block_hashes))
         try:
             params = SamplingParams(**{**msg.sampling, "stop": ()})
             if payloads:  # verified and copied in while running streams keep stepping

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from mooncake import messages as m
 from mooncake.sampling import SamplingParams, TokenLogprob
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
+from mooncake.hashing import layer_key
 from mooncake.instance.worker import Worker
 from mooncake.kv_payload import KVPayload
 from mooncake.store.client import CacheClient
@@ -26,8 +27,9 @@ MAX_POOL_WRITES = 64  # chunks being written to the pool at once; past that, chu
 
 
 def _encode(payloads: list[KVPayload]) -> list[tuple[int, bytes]]:
-    """A chunk's blocks as they go on the wire (run on the KV thread)."""
-    return [(p.block_hash, p.to_bytes()) for p in payloads]
+    """A chunk's blocks as they go on the wire (run on the KV thread): whole blocks under their hash, one
+    layer's slices under their layer keys."""
+    return [(p.block_hash if p.layer is None else layer_key(p.block_hash, p.layer), p.to_bytes()) for p in payloads]
 
 
 @dataclass
@@ -35,6 +37,7 @@ class _Job:
     msg: m.Prefill
     received_s: float
     num_sent_blocks: int = 0  # leading blocks already pushed (or being pushed)
+    layered: set[int] = field(default_factory=set)  # blocks (prompt indices) streamed to decode by layer
     pushes: list[asyncio.Task] = field(default_factory=list)
     num_pool_blocks: int = 0  # leading blocks read from the pool (no need to write them back)
     fetched_bytes: int = 0
@@ -73,6 +76,8 @@ class PrefillWorker(Worker):
                 await self.cache.stop()
                 self.cache = None
         self._deadlines = self.supervisor.spawn(self._enforce_deadlines(), "the deadline watch")
+        if self.config.instance.stream_layers:
+            self.loop.stream_layers(self._push_layer, _encode)
 
     async def stop_role(self) -> None:
         if self._deadlines is not None:
@@ -226,14 +231,18 @@ class PrefillWorker(Worker):
                 self.spawn_for(job.msg.request_id, self._hand_off(job), "the hand-off")
 
     def _push_new_blocks(self, job: _Job) -> None:
-        """Between steps: start pushing the request's blocks that filled since the last push. They are
-        copied out of the cache and encoded on the engine loop's KV thread while the next step runs."""
+        """Between steps: start pushing the request's blocks that filled since the last push, to decode
+        (those not already streamed there by layer) and to the pool. They are copied out of the cache and
+        encoded on the engine loop's KV thread while the next step runs."""
         request_id = job.msg.request_id
         num_full = min(self.engine.num_full_blocks(request_id), len(job.msg.block_hashes))
         if num_full <= job.num_sent_blocks:
             return
         first = job.num_sent_blocks
         job.num_sent_blocks = num_full
+        wanted = range(max(first, job.num_pool_blocks) if self.cache is not None else num_full, num_full)
+        if not wanted and all(i in job.layered for i in range(first, num_full)):
+            return  # every block went to decode layer by layer, and the pool needs none
         exported = self.loop.export_kv(request_id, first, num_full - first, _encode)
         job.pushes.append(asyncio.create_task(self._push(job, exported, first)))
 
@@ -246,14 +255,39 @@ class PrefillWorker(Worker):
         to_pool = [b for i, b in enumerate(blocks) if first_block + i >= job.num_pool_blocks]
         if self.cache is not None and to_pool:
             self._write_pool(msg.request_id, to_pool)
-        if not msg.decode_address:  # none when the request ends with its first token
+        to_decode = [b for i, b in enumerate(blocks) if first_block + i not in job.layered]
+        if not msg.decode_address or not to_decode:  # none when the request ends with its first token
             return None
-        if delay := self._transfer_s_per_block * len(blocks):
+        return await self._send_to_decode(job, to_decode, len(to_decode), f"{msg.request_id}/{first_block}")
+
+    def _push_layer(self, layer: int, filled: list, exported: asyncio.Future) -> None:
+        """On the event loop, as a step writes layer `layer` of blocks it fills (layer-wise streaming,
+        `EngineLoop.stream_layers`): push that layer of each request's new blocks to its decode instance
+        while the next layers compute. The pool still gets whole blocks, after the step."""
+        for i, entry in enumerate(filled):
+            job = self.jobs.get(entry.request_id)
+            if job is None or not job.msg.decode_address:
+                continue
+            job.layered.update(range(entry.first_block, entry.first_block + len(entry.blocks)))
+            job.pushes.append(asyncio.create_task(self._push_layer_of(job, exported, i, entry.first_block, layer)))
+
+    async def _push_layer_of(self, job: _Job, exported: asyncio.Future, index: int, first_block: int, layer: int):
+        # NOTE: shielded: the copy is shared by every request of the step.
+        blocks = (await asyncio.shield(exported))[index]
+        num_layers = self.engine.runner.kv_spec.num_layers
+        return await self._send_to_decode(job, blocks, len(blocks) / num_layers,
+                                          f"{job.msg.request_id}/{first_block}/L{layer}")
+
+    async def _send_to_decode(self, job: _Job, blocks: list, num_blocks: float, transfer_id: str):
+        """Push payloads to the request's decode instance; a block it did not take fails the hand-off.
+        `num_blocks` is what they amount to in whole blocks (for an emulated model's transfer time)."""
+        msg = job.msg
+        if delay := self._transfer_s_per_block * num_blocks:
             await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
-        # NOTE: one transfer id per chunk: several chunks of a request may be in flight at once.
+        # NOTE: one transfer id per chunk (and layer): several of a request's may be in flight at once.
         # NOTE: self_checked: each block is a KVPayload that decode verifies as it imports it (one check).
-        result = await self.transport.send(msg.decode_address, blocks, self._time_left(job),
-                                           f"{msg.request_id}/{first_block}", self_checked=True)
+        result = await self.transport.send(msg.decode_address, blocks, self._time_left(job), transfer_id,
+                                           self_checked=True)
         if not result.ok:
             bad = next(b for b in result.blocks if not b.ok)
             raise TransferError(f"decode {msg.decode_id} at {msg.decode_address} did not take block "

@@ -1,4 +1,5 @@
 from mooncake.decode.inbox import ORPHAN_TTL_S, KVInbox
+from mooncake.hashing import layer_key
 
 
 def test_blocks_are_claimed_in_prefix_order_once_per_push():
@@ -53,3 +54,18 @@ def test_release_gives_back_a_cancelled_requests_copies_and_its_late_ones_expire
     inbox.put_block(5, b"w" * 8)  # a new push: counted
     inbox._blocks[5][2] -= ORPHAN_TTL_S + 0.1
     assert inbox.expire() == 0 and inbox.claim([5]) == [b"w" * 8] and len(inbox) == 0
+
+
+def test_blocks_come_whole_or_by_layer_and_a_block_missing_a_layer_ends_the_claim():
+    inbox = KVInbox(ttl_s=60)
+    inbox.put_block(1, b"whole")  # a cached prefix block: sent whole even when layers stream
+    for layer in range(3):
+        inbox.put_block(layer_key(2, layer), f"2/L{layer}".encode())
+    for layer in (0, 2):  # block 3's layer 1 has not arrived
+        inbox.put_block(layer_key(3, layer), f"3/L{layer}".encode())
+    assert inbox.claim_blocks([1, 2, 3], num_layers=3) == [b"whole", b"2/L0", b"2/L1", b"2/L2"]
+    assert len(inbox) == 2  # block 3's two layers wait for the third (or expire)
+    # A cancel gives back what is here by the keys it came by, and expects by layer what is not here yet.
+    assert inbox.release_blocks([3, 4], num_layers=3, by_layer=True) == 2 and len(inbox) == 0
+    inbox.put_block(layer_key(4, 0), b"late")  # landed after the cancel: uncounted, so it expires soon
+    assert inbox._blocks[layer_key(4, 0)][1] == 0
