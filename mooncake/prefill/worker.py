@@ -3,7 +3,9 @@
 For each `Prefill` from the conductor: read the reusable prefix blocks it lacks locally from the cache
 pool, queue the prompt (sampling one token) with its KV kept, and after every engine step push the
 blocks that just filled to the decode instance's KV inbox and to the cache pool, so the transfer of one
-chunk overlaps the compute of the next (chunk-wise streaming). When the first token is out and every
+chunk overlaps the compute of the next (chunk-wise streaming). With `instance.stream_layers`, decode gets
+each layer of those blocks as soon as the layer is computed instead (layer-wise streaming); the pool
+still gets whole blocks after the step. When the first token is out and every
 block has arrived at decode, release the request's blocks (they stay in the local prefix cache) and
 report `PrefillDone`. A request that misses its deadline or is cancelled is aborted and its blocks freed."""
 
