@@ -95,10 +95,13 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._importing: set[str] = set()  # request ids between begin_import and finish/cancel_import
         # Layer-wise KV streaming (a prefill instance's engine loop sets it): each step that fills blocks of
-        # keep_kv requests pins them and calls layer_sink(i, filled) once layer i's KV is written, on the
-        # engine thread (it must only hand the work on), then layer_sink(None, filled) when the step is
-        # over, whether it ran or failed: from then on the sink owes the pins' release (`pool.release`).
-        self.layer_sink: Callable[[int | None, list[FilledBlocks]], None] | None = None
+        # keep_kv requests pins them and calls layer_sink(i, filled, ready_at) once layer i's KV is written,
+        # on the engine thread (it must only hand the work on), then layer_sink(None, filled, None) when the
+        # step is over, whether it ran or failed: from then on the sink owes the pins' release
+        # (`pool.release`). With an emulated runner every layer is handed over as soon as the forward has
+        # written them all, each with `ready_at`, the time.perf_counter() its layer ends in the modelled
+        # step (nothing of it may leave before); else ready_at is None (ready now).
+        self.layer_sink: Callable[[int | None, list[FilledBlocks], float | None], None] | None = None
         self._tokenizer = None
         log.info("engine ready: model %s (%s), %d KV blocks of %d tokens on %s/%s",
                  config.model, self.model.model_id, num_blocks, self.block_size, self.device, config.kv_dtype)
@@ -203,18 +206,20 @@ class LLMEngine:
         batch, sampled = build_batch(scheduled, self.block_size, self.device, self.dtype)
         filled = self._filling(scheduled) if self.layer_sink is not None else []
         sink = self.layer_sink
-        on_layer = (lambda layer: sink(layer, filled)) if filled else None
+        on_layer = (lambda layer: sink(layer, filled, None)) if filled else None
         try:
             logits = self.runner.forward(batch, self.kv_cache.kv, None if self.runner.models_time else on_layer)
+            if filled and self.runner.models_time:
+                self._hand_over_modelled_layers(filled, started, self.runner.modelled_step_s or 0.0)
             self.scheduler.on_computed(scheduled)
             tokens = sample(logits, sampled)
             outputs = self._postprocess(sampled, tokens, logprobs_of(logits, sampled, tokens))
             self.last_modelled_s = self.runner.modelled_step_s
-            if self.runner.models_time:  # on the engine thread, as a device step would hold it
-                self._wait_modelled(started, self.last_modelled_s or 0.0, on_layer)
+            if self.last_modelled_s and (wait := self.last_modelled_s - (time.perf_counter() - started)) > 0:
+                time.sleep(wait)  # on the engine thread, as a device step would hold it
         finally:
             if filled:
-                sink(None, filled)
+                sink(None, filled, None)
         return outputs
 
     def _filling(self, scheduled: list) -> list[FilledBlocks]:
@@ -232,16 +237,13 @@ class LLMEngine:
         self.pool.acquire([block for f in filled for block, _ in f.blocks])
         return filled
 
-    def _wait_modelled(self, started: float, modelled_s: float, on_layer) -> None:
-        """Hold the engine thread until the modelled step is over; with `on_layer`, call it at each layer's
-        modelled end (layers take equal shares of the step)."""
-        num_layers = self.runner.kv_spec.num_layers if on_layer is not None else 0
+    def _hand_over_modelled_layers(self, filled: list[FilledBlocks], started: float, modelled_s: float) -> None:
+        """An emulated step: every layer is written already; each goes to the sink now, ready at its end in
+        the modelled step (layers take equal shares of it). Waking the engine thread at each layer's end
+        instead would time the GIL, not the model."""
+        num_layers = self.runner.kv_spec.num_layers
         for layer in range(num_layers):
-            if (wait := started + modelled_s * (layer + 1) / num_layers - time.perf_counter()) > 0:
-                time.sleep(wait)
-            on_layer(layer)
-        if (wait := started + modelled_s - time.perf_counter()) > 0:
-            time.sleep(wait)
+            self.layer_sink(layer, filled, started + modelled_s * (layer + 1) / num_layers)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
         """Run prompts to completion together (continuous batching); results in prompt order."""

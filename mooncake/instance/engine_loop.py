@@ -103,17 +103,18 @@ class EngineLoop:
         future.add_done_callback(unpin)
         return future
 
-    def stream_layers(self, deliver: Callable[[int, list[FilledBlocks], asyncio.Future], None],
+    def stream_layers(self, deliver: Callable[[int, list[FilledBlocks], asyncio.Future, float | None], None],
                       encode: Callable[[list], object] = list) -> None:
         """Layer-wise KV streaming: from now on, as each step writes layer i of blocks it fills for keep_kv
-        requests, `deliver(i, filled, future)` is called on the event loop, where `future` gives, per
-        entry of `filled` (an engine.FilledBlocks), `encode(its payloads of layer i)`, copied and
-        checksummed on the KV thread while the next layers compute. The engine pins those blocks for the
-        step; they are released between two later steps, once every layer of them has been copied."""
+        requests, `deliver(i, filled, future, ready_at)` is called on the event loop, where `future` gives,
+        per entry of `filled` (an engine.FilledBlocks), `encode(its payloads of layer i)`, copied and
+        checksummed on the KV thread while the next layers compute; `ready_at` is as in
+        `LLMEngine.layer_sink`. The engine pins those blocks for the step; they are released between two
+        later steps, once every layer of them has been copied."""
         loop = asyncio.get_running_loop()
         engine = self.engine
 
-        def sink(layer: int | None, filled: list[FilledBlocks]) -> None:  # on the engine thread
+        def sink(layer: int | None, filled: list[FilledBlocks], ready_at: float | None) -> None:  # engine thread
             if layer is None:  # the step is over: release the pins after its copies (one KV thread, in order)
                 blocks = [block for f in filled for block, _ in f.blocks]
                 self._kv_executor.submit(lambda: None).add_done_callback(
@@ -121,7 +122,7 @@ class EngineLoop:
                 return
             exported = self._kv_executor.submit(
                 lambda: [encode(engine.export_blocks(f.blocks, layer)) for f in filled])
-            loop.call_soon_threadsafe(lambda: deliver(layer, filled, asyncio.wrap_future(exported)))
+            loop.call_soon_threadsafe(lambda: deliver(layer, filled, asyncio.wrap_future(exported), ready_at))
 
         engine.layer_sink = sink
 

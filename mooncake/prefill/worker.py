@@ -262,7 +262,7 @@ class PrefillWorker(Worker):
             return None
         return await self._send_to_decode(job, to_decode, len(to_decode), f"{msg.request_id}/{first_block}")
 
-    def _push_layer(self, layer: int, filled: list, exported: asyncio.Future) -> None:
+    def _push_layer(self, layer: int, filled: list, exported: asyncio.Future, ready_at: float | None) -> None:
         """On the event loop, as a step writes layer `layer` of blocks it fills (layer-wise streaming,
         `EngineLoop.stream_layers`): push that layer of each request's new blocks to its decode instance
         while the next layers compute. The pool still gets whole blocks, after the step."""
@@ -271,20 +271,25 @@ class PrefillWorker(Worker):
             if job is None or not job.msg.decode_address:
                 continue
             job.layered.update(range(entry.first_block, entry.first_block + len(entry.blocks)))
-            job.pushes.append(asyncio.create_task(self._push_layer_of(job, exported, i, entry.first_block, layer)))
+            job.pushes.append(asyncio.create_task(
+                self._push_layer_of(job, exported, i, entry.first_block, layer, ready_at)))
 
-    async def _push_layer_of(self, job: _Job, exported: asyncio.Future, index: int, first_block: int, layer: int):
+    async def _push_layer_of(self, job: _Job, exported: asyncio.Future, index: int, first_block: int, layer: int,
+                             ready_at: float | None):
         # NOTE: shielded: the copy is shared by every request of the step.
         blocks = (await asyncio.shield(exported))[index]
         num_layers = self.engine.runner.kv_spec.num_layers
         return await self._send_to_decode(job, blocks, len(blocks) / num_layers,
-                                          f"{job.msg.request_id}/{first_block}/L{layer}")
+                                          f"{job.msg.request_id}/{first_block}/L{layer}", ready_at)
 
-    async def _send_to_decode(self, job: _Job, blocks: list, num_blocks: float, transfer_id: str):
+    async def _send_to_decode(self, job: _Job, blocks: list, num_blocks: float, transfer_id: str,
+                              ready_at: float | None = None):
         """Push payloads to the request's decode instance; a block it did not take fails the hand-off.
-        `num_blocks` is what they amount to in whole blocks (for an emulated model's transfer time)."""
+        `num_blocks` is what they amount to in whole blocks, and `ready_at` when an emulated step has them
+        computed (for an emulated model's timing)."""
         msg = job.msg
-        if delay := self._transfer_s_per_block * num_blocks:
+        delay = self._transfer_s_per_block * num_blocks + max(0.0, (ready_at or 0.0) - time.perf_counter())
+        if delay:
             await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
         # NOTE: one transfer id per chunk (and layer): several of a request's may be in flight at once.
         # NOTE: self_checked: each block is a KVPayload that decode verifies as it imports it (one check).

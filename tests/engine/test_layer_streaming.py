@@ -21,7 +21,8 @@ def test_every_filled_block_reaches_the_sink_layer_by_layer_as_each_layer_is_wri
     def layer_bytes(block, layer) -> bytes:
         return bytes(engine.export_blocks([(block, 0)], layer)[0].data)
 
-    def sink(layer, filled):
+    def sink(layer, filled, ready_at):
+        assert (ready_at is not None) == (layer is not None and engine.runner.models_time)
         calls.append(None if layer is None else (layer, [(f.first_block, len(f.blocks)) for f in filled]))
         if layer is None:
             engine.pool.release([block for f in filled for block, _ in f.blocks])
@@ -70,7 +71,7 @@ def test_decode_from_layer_slices_streamed_through_the_engine_loop_equals_genera
         loop = EngineLoop(prefill, on_outputs, on_failed)
         loop.start()
         try:
-            loop.stream_layers(lambda layer, filled, future: got.append(future))
+            loop.stream_layers(lambda layer, filled, future, ready_at: got.append(future))
             rid = await loop.call(prefill.add_request, PROMPT, SamplingParams(max_tokens=1, ignore_eos=True),
                                   None, (), True)
             while (await loop.call(lambda: prefill.seqs[rid].is_finished)) is False:
