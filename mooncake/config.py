@@ -176,8 +176,19 @@ class ConductorConfig:
     decode_s_per_seq: float = 2e-3
     decode_s_per_context_token: float = 1e-6
     bandwidth_bytes_per_s: float = 1e9
+    # Chunked pipeline parallelism (CPP, DESIGN section 6): prefill instances form groups of cpp_stages,
+    # each a pipeline whose stage k computes layers k*L/X .. (k+1)*L/X - 1 of every request placed on the
+    # group. A prompt whose uncached part is longer than cpp_threshold_tokens flows through in chunks of
+    # cpp_chunk_tokens (so its stages work at once); a shorter one as one chunk. 1: no groups. Only
+    # `mooncake simulate` runs CPP so far: the live conductor ignores it.
+    cpp_stages: int = 1
+    cpp_threshold_tokens: int = 2048
+    cpp_chunk_tokens: int = 2048
 
     def __post_init__(self):
+        _check(self.cpp_stages >= 1, "conductor.cpp_stages", "must be >= 1 (1: no CPP groups)")
+        _check(self.cpp_threshold_tokens >= 0, "conductor.cpp_threshold_tokens", "must be >= 0")
+        _check(self.cpp_chunk_tokens > 0, "conductor.cpp_chunk_tokens", "must be > 0")
         _check(self.mode in ("disaggregated", "colocated"), "conductor.mode",
                f"must be 'disaggregated' or 'colocated', got {self.mode!r}")
         _check_known("placement", self.placement, "conductor.placement")

@@ -3,7 +3,10 @@ charges, and what the emulated model runner (backends/models/emulated.py) waits 
 
 Prefill FLOPs follow FAST'25 Eq. 1, l * (a*n^2*d + b*n*d^2), counted for the uncached part only: a
 prompt of n tokens with r reused costs l * (a*(n^2 - r^2)*d + b*(n - r)*d^2). Decode is memory-bound:
-a step reads the weights once and every batched request's KV."""
+a step reads the weights once and every batched request's KV.
+
+Chunked pipeline parallelism (CPP, DESIGN section 6): a prompt's chunks flow through X instances, each
+holding 1/X of the layers, with only activations crossing stage boundaries (`pipeline_ends`)."""
 
 from dataclasses import dataclass, fields
 
@@ -25,6 +28,7 @@ class CostModel:
     hbm_bytes_per_s: float = 8 * 2.0e12  # 8 GPUs
     decode_efficiency: float = 0.6  # share of HBM bandwidth a decode step achieves
     decode_overhead_s: float = 0.004  # launch and sampling per step
+    activation_bytes_per_token: int = 8192 * 2  # hidden state at a stage boundary, bf16
 
     @classmethod
     def from_dict(cls, values: dict, where: str) -> "CostModel":
@@ -62,3 +66,18 @@ class CostModel:
         """(a, b, c) seeding the conductor's DecodeStepModel: a + b*batch + c*context_tokens."""
         rate = self.hbm_bytes_per_s * self.decode_efficiency
         return self.decode_overhead_s + self.weight_bytes / rate, 0.0, self.kv_bytes_per_token / rate
+
+
+def pipeline_ends(chunk_s: list[float], stages: int, hop_s: float = 0.0,
+                  free_s: list[float] | None = None) -> list[float]:
+    """When each stage of a pipeline ends its last chunk: chunk j takes chunk_s[j] / stages on every stage
+    (the layers split evenly) and starts on stage k once stage k is free (free_s[k], default 0), has
+    finished chunk j - 1, and stage k - 1 has finished chunk j and sent its activations (hop_s). One
+    stage: its free time plus the sum of the chunks."""
+    ends = list(free_s) if free_s is not None else [0.0] * stages
+    for seconds in chunk_s:
+        share, ready = seconds / stages, 0.0
+        for k in range(stages):
+            ready = max(ends[k], ready + (hop_s if k else 0.0)) + share
+            ends[k] = ready
+    return ends

@@ -6,6 +6,7 @@ conductor and the simulator (sim/disaggregated.py) decide through the same objec
 import logging
 
 from mooncake.conductor.admission import make_admission_policy
+from mooncake.conductor.cpp import CppSettings
 from mooncake.conductor.flight import Flight, Rejected, Unavailable
 from mooncake.conductor.instances import InstanceRegistry
 from mooncake.conductor.policies import Estimators, make_placement_policy
@@ -17,10 +18,13 @@ log = logging.getLogger(__name__)
 
 
 class Decider:
-    def __init__(self, cfg: ConductorConfig, index: PrefixIndex, estimators: Estimators):
+    def __init__(self, cfg: ConductorConfig, index: PrefixIndex, estimators: Estimators,
+                 cpp: CppSettings | None = None):
+        """`cpp`: how the cluster's CPP groups (prefill views of stages > 1) run a prompt; None: no groups."""
         self.cfg = cfg
         kwargs = {"balancing_threshold": cfg.balancing_threshold} if cfg.placement == "kvcache-centric" else {}
         self.policy = make_placement_policy(cfg.placement, index, estimators, **kwargs)
+        self.policy.cpp = cpp
         self.admission = make_admission_policy(cfg.admission, estimators.decode_step, cfg.ttft_slo_s,
                                                cfg.tbt_slo_s)
 

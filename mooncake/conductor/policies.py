@@ -1,12 +1,14 @@
 """Placement policies: which prefill and decode instance serve a request. Algorithm 1 (KVCache-centric,
 FAST'25 semantics) and the paper's baselines: random, round-robin, least-loaded, local-cache-aware.
-Each policy only chooses the prefill instance; decode goes to the lowest predicted TBT for all of them.
+Each policy only chooses the prefill instance (or CPP group: its prefill time is the pipeline's, cpp.py);
+decode goes to the lowest predicted TBT for all of them.
 Whether to serve the request at all is the admission policy's call (admission.py)."""
 
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from mooncake.conductor.cpp import CppSettings, pipelined_prefill_s
 from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
 from mooncake.conductor.prefix_index import PrefixIndex
 from mooncake.conductor.view import ClusterView, DecodeView, Placement, PrefillView, RequestView
@@ -30,6 +32,8 @@ class _PrefillChoice:
 
 
 class PlacementPolicy(ABC):
+    cpp: CppSettings | None = None  # how a prefill view of stages > 1 runs a prompt (cpp.py)
+
     def __init__(self, index: PrefixIndex, estimators: Estimators):
         self.index = index
         self.est = estimators
@@ -53,8 +57,14 @@ class PlacementPolicy(ABC):
         """Algorithm 1's estimate: queue + transfer + prefill."""
         transfer_s = self._transfer_s(cluster, instance, reuse_blocks, fetch_from, local_blocks)
         reused_tokens = min(reuse_blocks * cluster.block_size, request.num_tokens)
-        return instance.queued_prefill_s + transfer_s + self.est.prefill_time.predict(request.num_tokens,
-                                                                                       reused_tokens)
+        return instance.queued_prefill_s + transfer_s + self._prefill_s(request, instance, reused_tokens)
+
+    def _prefill_s(self, request, instance: PrefillView, reused_tokens: int) -> float:
+        if instance.stages > 1 and self.cpp is not None:
+            bytes_per_s = self.est.bandwidth.get(instance.instance_id, instance.instance_id)
+            return pipelined_prefill_s(self.cpp, self.est.prefill_time.predict, request.num_tokens, reused_tokens,
+                                       bytes_per_s)[-1]
+        return self.est.prefill_time.predict(request.num_tokens, reused_tokens)
 
     def _transfer_s(self, cluster, instance, reuse_blocks, fetch_from, local_blocks) -> float:
         if fetch_from is None or reuse_blocks <= local_blocks:

@@ -57,6 +57,9 @@ class Conductor:
             DecodeStepModel(self.cfg.decode_step_s, self.cfg.decode_s_per_seq, self.cfg.decode_s_per_context_token),
             BandwidthEstimator(self.cfg.bandwidth_bytes_per_s))
         self.decider = Decider(self.cfg, self.index, self.estimators)
+        if self.cfg.cpp_stages > 1:
+            log.warning("conductor.cpp_stages = %d is ignored: live prefill instances do not run CPP groups "
+                        "yet, only `mooncake simulate` does", self.cfg.cpp_stages)
         self.control = ControlPlane(self.cfg, self.registry, self.index, self.estimators, self.metrics, clock,
                                     route=self._route, on_dead=self._on_dead)
         self.flights: dict[str, Flight] = {}  # by the wire id of their current leg

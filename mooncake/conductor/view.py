@@ -17,6 +17,7 @@ class PrefillView:
     instance_id: str
     queued_prefill_s: float = 0.0  # predicted prefill time of the requests queued on it
     num_queued: int = 0
+    stages: int = 1  # a CPP group of this many instances run as a pipeline (conductor/cpp.py)
 
 
 @dataclass(frozen=True)

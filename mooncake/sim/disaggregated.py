@@ -4,11 +4,18 @@ placing and admitting each request.
 
 Prefill instances run their queue one request at a time (reusing the chosen prefix, fetching it first
 when it lives elsewhere); new blocks join the node's pool and the global index. KV streams to decode
-layer by layer, so only the last layer's transfer shows; decode instances run continuous batching."""
+layer by layer, so only the last layer's transfer shows; decode instances run continuous batching.
+
+With CPP groups (`conductor.cpp_stages` = X > 1), each simulated prefill instance is a group of X nodes
+run as a pipeline (conductor/cpp.py), with the DRAM of all X in its pool share. A request enters stage 0
+once stage 0 is free, and each later stage takes each chunk once it is free and the stage before has
+passed the chunk on, so requests follow each other through the stages; the first token comes when the last
+stage ends. `sim.num_prefill` counts nodes: it must be a multiple of X."""
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from mooncake.conductor.cpp import CppSettings, pipelined_prefill_s
 from mooncake.conductor.decide import Decider
 from mooncake.conductor.flight import Rejected, Unavailable
 from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
@@ -17,6 +24,7 @@ from mooncake.conductor.prefix_index import PrefixIndex
 from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, PrefillView, RequestView
 from mooncake.config import ConductorConfig, SimConfig
 from mooncake.cost import CostModel
+from mooncake.errors import ConfigError
 from mooncake.sim.cluster import SimulatedCluster
 from mooncake.sim.metrics import RequestRecord
 from mooncake.sim.pool import NodePool
@@ -40,8 +48,9 @@ class _Prefill:
     pool: NodePool
     queue: deque = field(default_factory=deque)
     queued_s: float = 0.0  # sum of the queue's predicted prefill times, kept as jobs come and go
-    busy_until: float = 0.0
+    busy_until: float = 0.0  # when stage 0 (the whole instance, without CPP) can take the next request
     busy: bool = False
+    stage_free: list = field(default_factory=lambda: [0.0])  # when each pipeline stage ends its work
 
 
 @dataclass
@@ -69,10 +78,15 @@ class DisaggregatedCluster(SimulatedCluster):
         est = Estimators(PrefillTimeModel(*cost.prefill_coefficients()), DecodeStepModel(*cost.decode_coefficients()),
                          BandwidthEstimator(cost.network_bytes_per_s))
         self.est = est
-        self.decider = Decider(conductor, self.index, est)  # the live conductor's decision core
+        self.cpp = CppSettings.from_config(conductor, cost.activation_bytes_per_token)
+        self.decider = Decider(conductor, self.index, est, self.cpp)  # the live conductor's decision core
         self.tbt_slo_s = conductor.tbt_slo_s
         self.ttft_slo_s = conductor.ttft_slo_s
-        self.prefills = {f"p{i}": _Prefill(f"p{i}", NodePool(cfg.dram_blocks_per_node)) for i in range(cfg.num_prefill)}
+        x = conductor.cpp_stages
+        if cfg.num_prefill % x:
+            raise ConfigError(f"sim.num_prefill = {cfg.num_prefill} must be a multiple of conductor.cpp_stages = {x}")
+        self.prefills = {f"p{i}": _Prefill(f"p{i}", NodePool(x * cfg.dram_blocks_per_node), stage_free=[0.0] * x)
+                         for i in range(cfg.num_prefill // x)}
         self.decodes = {f"d{i}": _Decode(f"d{i}", NodePool(cfg.dram_blocks_per_node) if cfg.pool_decode_dram else None)
                         for i in range(cfg.num_decode)}
         self.block_bytes = cost.kv_bytes(cfg.block_tokens)
@@ -81,8 +95,8 @@ class DisaggregatedCluster(SimulatedCluster):
     # -- conductor ------------------------------------------------------------------------------
 
     def _view(self, now: float) -> ClusterView:
-        prefills = [PrefillView(p.instance_id, max(0.0, p.busy_until - now) + p.queued_s, len(p.queue))
-                    for p in self.prefills.values()]
+        prefills = [PrefillView(p.instance_id, max(0.0, p.busy_until - now) + p.queued_s, len(p.queue),
+                                len(p.stage_free)) for p in self.prefills.values()]
         decodes = []
         for d in self.decodes.values():
             step = d.step_s or self.est.decode_step.predict(1, 0)
@@ -107,11 +121,12 @@ class DisaggregatedCluster(SimulatedCluster):
             record.rejected_at = "arrival"
             return
         reused = min(placement.reuse_blocks * self.cfg.block_tokens, req.input_length - 1)
-        job = _Job(record, req.hash_ids, placement.decode_id, placement.reuse_blocks, placement.fetch_from,
-                   predicted_s=self.est.prefill_time.predict(req.input_length, reused) + placement.transfer_s,
-                   ready_s=now + placement.ttft_s)
-        self.decodes[placement.decode_id].incoming[i] = job
         prefill = self.prefills[placement.prefill_id]
+        # what the request holds stage 0 for: all of its work, or stage 0's layers of it in a CPP group
+        predicted_s = self.est.prefill_time.predict(req.input_length, reused) / len(prefill.stage_free)
+        job = _Job(record, req.hash_ids, placement.decode_id, placement.reuse_blocks, placement.fetch_from,
+                   predicted_s=predicted_s + placement.transfer_s, ready_s=now + placement.ttft_s)
+        self.decodes[placement.decode_id].incoming[i] = job
         prefill.queue.append(job)
         prefill.queued_s += job.predicted_s
         if not prefill.busy:
@@ -141,15 +156,25 @@ class DisaggregatedCluster(SimulatedCluster):
         if holder is not None and holder.pool is not None:  # blocks may have gone since placement
             fetched = max(0, min(job.reuse_blocks, holder.pool.prefix_len(job.hashes)) - local)
         reused = min((local + fetched) * self.cfg.block_tokens, n - 1)
-        compute_s = self.cost.prefill_s(n, reused)
-        self.prefill_gpu_s += compute_s
+        self.prefill_gpu_s += self.cost.prefill_s(n, reused)
         job.record.cached_tokens = reused
-        p.busy, p.busy_until = True, now + self.cost.transfer_s(fetched * self.block_bytes) + compute_s
-        self.loop.at(p.busy_until, self._prefill_done, p, job)
+        x = len(p.stage_free)
+        # NOTE: a CPP group's stages each read their 1/X of the fetched blocks' layers, in parallel.
+        start = now + self.cost.transfer_s(fetched * self.block_bytes / x)
+        if x == 1:
+            ends = [start + self.cost.prefill_s(n, reused)]
+        else:
+            ends = pipelined_prefill_s(self.cpp, self.cost.prefill_s, n, reused, self.cost.network_bytes_per_s,
+                                       [max(start, f) for f in p.stage_free])
+        p.stage_free = ends
+        p.busy, p.busy_until = True, ends[0]
+        self.loop.at(ends[-1], self._prefill_done, p, job)
+        if x > 1:  # stage 0 takes the next request while the later stages finish this one
+            self.loop.at(ends[0], self._start_prefill, p)
 
     def _prefill_done(self, p: _Prefill, job: _Job) -> None:
         now = self.loop.now
-        job.record.token_times.append(now)  # prefill yields the first token
+        job.record.token_times.append(now)  # the last stage yields the first token
         added, evicted = p.pool.insert(job.hashes)  # new blocks, and fetched ones: a local replica
         self.index.add(p.instance_id, added)
         self.index.remove(p.instance_id, evicted)
@@ -159,7 +184,8 @@ class DisaggregatedCluster(SimulatedCluster):
             # Layer-wise streaming: all but the last layer's KV moved while later layers computed.
             last_layer_s = self.cost.transfer_s(self.cost.kv_bytes(job.record.input_tokens)) / self.cost.layers
             self.loop.at(now + last_layer_s, self._kv_arrived, decode, job.record, job.hashes)
-        self._start_prefill(p)
+        if len(p.stage_free) == 1:
+            self._start_prefill(p)
 
     # -- decode ---------------------------------------------------------------------------------
 

@@ -129,3 +129,20 @@ def test_decode_goes_where_tbt_is_lowest_counting_requests_still_in_prefill():
     # once d0's request has finished by the time this one arrives, the tie goes to the lower id again
     d0.requests = [DecodeLoad(start_s=0.0, finish_s=1.0, context_tokens=4000)]
     assert policy.place(REQUEST, cluster([PrefillView("p0")], [d0, d1]), now=0.0).decode_id == "d0"
+
+
+def test_a_cpp_group_is_judged_by_its_pipelines_time():
+    """A group of 4 run as a pipeline (CPP) prefills a long prompt about 4x faster than one instance: it
+    wins over an idle instance though 2 s are queued on it; a prompt under the threshold passes through
+    as one chunk, gains nothing, and goes to the idle instance."""
+    from mooncake.conductor.cpp import CppSettings
+    policy = make_placement_policy("kvcache-centric", PrefixIndex(), estimators(bandwidth=1e11))
+    policy.cpp = CppSettings(stages=4, threshold_tokens=1024, chunk_tokens=256)
+    single, group = PrefillView("p0"), PrefillView("g0", queued_prefill_s=2.0, stages=4)
+    placement = policy.place(REQUEST, cluster([single, group]), now=0.0)  # 5120 tokens: 5.13 s alone
+    assert placement.prefill_id == "g0"
+    assert 2.0 + 5.12 / 4 < placement.ttft_s < 2.0 + 5.12 / 3
+    short = RequestView("r2", num_tokens=1000, block_hashes=(7, 8))
+    assert policy.place(short, cluster([single, group]), now=0.0).prefill_id == "p0"
+    policy.cpp = None  # a conductor without CPP judges a group as one instance
+    assert policy.place(REQUEST, cluster([single, group]), now=0.0).prefill_id == "p0"

@@ -1,7 +1,8 @@
 import pytest
 
+from mooncake.conductor.cpp import CppSettings, pipelined_prefill_s
 from mooncake.conductor.estimators import DecodeStepModel, PrefillTimeModel
-from mooncake.cost import CostModel
+from mooncake.cost import CostModel, pipeline_ends
 
 COST = CostModel()
 
@@ -31,3 +32,29 @@ def test_coefficients_seed_the_conductor_models_exactly():
     for n, r in [(512, 0), (12000, 3072), (100000, 99000)]:
         assert prefill.predict(n, r) == pytest.approx(COST.prefill_s(n, r))
     assert decode.predict(16, 200000) == pytest.approx(COST.decode_step_s(16, 200000))
+
+
+def test_a_pipeline_of_one_stage_sums_its_chunks_and_more_stages_divide_a_long_prompt():
+    chunks = [1.0, 2.0, 3.0, 4.0]
+    assert pipeline_ends(chunks, 1) == [pytest.approx(10.0)]
+    assert pipeline_ends(chunks, 1, free_s=[5.0]) == [pytest.approx(15.0)]
+    # two stages: each chunk takes half on each; stage 1 starts a chunk when stage 0 has passed it on
+    assert pipeline_ends(chunks, 2) == pytest.approx([5.0, 7.0])
+    assert pipeline_ends(chunks, 2, hop_s=0.25) == pytest.approx([5.0, 7.25])
+    # a stage still busy with earlier work holds the chunks back
+    assert pipeline_ends(chunks, 2, free_s=[0.0, 6.0]) == pytest.approx([5.0, 11.0])
+    even = [1.0] * 64
+    for x in (2, 4, 8):
+        ends = pipeline_ends(even, x)
+        assert ends == sorted(ends) and ends[-1] == pytest.approx(64 / x + (x - 1) / x)  # fill, then one per chunk
+
+
+def test_cpp_settings_chunk_only_long_prompts():
+    settings = CppSettings(stages=4, threshold_tokens=2048, chunk_tokens=1000)
+    assert settings.chunk_bounds(2048, 0) == [0, 2048]  # at the threshold: one chunk
+    assert settings.chunk_bounds(4000, 1500) == [1500, 2500, 3500, 4000]
+    whole = COST.prefill_s(131072)
+    ends = pipelined_prefill_s(settings, COST.prefill_s, 131072, 0, COST.network_bytes_per_s)
+    assert whole / 4 < ends[-1] < whole / 3.5  # 131 chunks over 4 stages: close to 4x
+    short = pipelined_prefill_s(settings, COST.prefill_s, 2000, 0, COST.network_bytes_per_s)
+    assert short[-1] == pytest.approx(COST.prefill_s(2000) + 3 * settings.hop_s(2000, COST.network_bytes_per_s))

@@ -157,3 +157,41 @@ def test_rejection_study_prediction_rejects_fewest_and_the_baseline_most():
                                            **{"conductor.admission": a}))["rejected"].values())
              for a in ("ttft-only", "early", "predictive")}
     assert total["ttft-only"] > total["early"] > total["predictive"] > 0
+
+
+def long_prompts(tmp_path, count=1, tokens=131072):
+    """`count` cold prompts of `tokens` tokens arriving together, nothing shared."""
+    blocks = tokens // 512
+    lines = [f'{{"timestamp": 0, "input_length": {tokens}, "output_length": 4, '
+             f'"hash_ids": {list(range(i * blocks, (i + 1) * blocks))}}}' for i in range(count)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_cpp_groups_run_a_long_prompt_as_a_pipeline(tmp_path):
+    """Four prefill nodes as one CPP group of 4 prefill a 128k-token prompt close to 4x faster than one node
+    (the cost model's pipeline); a second prompt follows the first through the stages, ending one stage's
+    share later, not a whole pipeline later; every request is served, its tokens in order."""
+    ttft = {}
+    for x in (1, 2, 4):
+        cfg = config(**{"sim.num_prefill": 4, "sim.num_decode": 1, "conductor.cpp_stages": x})
+        result = simulate(long_prompts(tmp_path), cfg)
+        ttft[x] = result["ttft_s"]["mean"]
+    whole = CostModel().prefill_s(131072)
+    assert ttft[1] == pytest.approx(whole, rel=0.01)
+    assert whole / 2 < ttft[2] < whole / 1.8 and whole / 4 < ttft[4] < whole / 3.5
+    cfg = config(**{"sim.num_prefill": 4, "sim.num_decode": 1, "conductor.cpp_stages": 4})
+    cluster = DisaggregatedCluster(cfg.sim, cfg.conductor, CostModel())
+    from mooncake.sim.trace import load_trace
+    first, second = sorted(cluster.run(load_trace(long_prompts(tmp_path, count=2))), key=lambda r: r.ttft_s)
+    assert second.ttft_s - first.ttft_s == pytest.approx(whole / 4, rel=0.02)
+    assert all(len(r.token_times) == 4 and r.token_times == sorted(r.token_times) for r in (first, second))
+
+
+def test_cpp_groups_need_whole_groups_of_prefill_nodes():
+    cfg = config(**{"sim.num_prefill": 6, "conductor.cpp_stages": 4})
+    with pytest.raises(ConfigError, match=r"sim.num_prefill = 6 .*conductor.cpp_stages = 4"):
+        DisaggregatedCluster(cfg.sim, cfg.conductor, CostModel())
+    with pytest.raises(ConfigError, match="conductor.cpp_stages"):
+        config(**{"conductor.cpp_stages": 0})
