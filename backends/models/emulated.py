@@ -80,11 +80,33 @@ class EmulatedRunner(ModelRunner):
         self._write_kv(batch, kv)
         return self._logits(batch, kv)
 
-    def _write_kv(self, batch: ForwardBatch, kv: torch.Tensor) -> None:
+    def forward_stage(self, batch: ForwardBatch, kv: torch.Tensor, layers: range,
+                      hidden: torch.Tensor | None) -> torch.Tensor:
+        """A CPP stage: its layers' KV, and the stage's share of the step's modelled time. The "hidden
+        state" handed on is each token's digest (int64 [num_tokens]), taken by the first stage from layer
+        0 as `forward` takes it, so the last stage picks the tokens `forward` would."""
+        num_layers = self.kv_spec.num_layers
+        if not (0 <= layers.start < layers.stop <= num_layers and layers.step == 1):
+            raise ModelError(f"stage layers {layers.start}..{layers.stop - 1} are not a range of the model's "
+                             f"{num_layers} layers")
+        if (hidden is None) != (layers.start == 0):
+            raise ModelError("a stage takes the previous stage's hidden states, and only the first stage none")
+        self.last_modelled_s = self.step_seconds(batch) * len(layers) / num_layers
+        self.modelled_step_s = self.last_modelled_s / self.speedup
+        self._write_kv(batch, kv, layers)
+        if hidden is None:
+            hidden = torch.zeros(len(batch.input_ids), dtype=torch.int64, device=self.device)
+            hidden[batch.logits_indices] = torch.tensor(self._digests(batch, kv), dtype=torch.int64,
+                                                        device=self.device)
+        if layers.stop < num_layers:
+            return hidden
+        return self._logits(batch, kv, hidden[batch.logits_indices].tolist())
+
+    def _write_kv(self, batch: ForwardBatch, kv: torch.Tensor, layers: range | None = None) -> None:
         """Each new token's KV: small integers from its id and position, different per layer and K|V."""
         base = (batch.input_ids * 31 + batch.positions * 7) % KV_MODULUS
         shape = (len(base), self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
-        for layer in range(self.kv_spec.num_layers):
+        for layer in layers or range(self.kv_spec.num_layers):
             for which in (0, 1):
                 values = ((base + 2 * layer + which) % KV_MODULUS).to(kv.dtype)
                 kv[layer, which].index_copy_(0, batch.slot_mapping, values[:, None, None].expand(shape))
@@ -104,13 +126,13 @@ class EmulatedRunner(ModelRunner):
             digests[span.start + span.num_tokens - 1] = int(cells[span.context_slots].to(torch.int64).sum())
         return [digests[i] for i in batch.logits_indices.tolist()]
 
-    def _logits(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+    def _logits(self, batch: ForwardBatch, kv: torch.Tensor, digests: list[int] | None = None) -> torch.Tensor:
         rows = batch.logits_indices.tolist()
         # NOTE: finite logits (log-probabilities go out as JSON); the alphabet alone is likely, its pick most.
         logits = torch.full((len(rows), self.vocab_size), -30.0, dtype=torch.float32, device=self.device)
         logits[:, self.alphabet] = 0.0
         tokens, positions = batch.input_ids.tolist(), batch.positions.tolist()
-        for row, (index, digest) in enumerate(zip(rows, self._digests(batch, kv))):
+        for row, (index, digest) in enumerate(zip(rows, self._digests(batch, kv) if digests is None else digests)):
             pick = _mix(tokens[index], positions[index], digest) % len(self.alphabet)
             logits[row, self.alphabet[pick]] = 4.0  # greedy takes it; sampling mostly (p ~ 0.7)
         return logits

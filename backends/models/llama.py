@@ -74,10 +74,28 @@ class LlamaRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: torch.Tensor, on_layer=None) -> torch.Tensor:
+        return self._run(batch, kv, range(self.num_layers), None, on_layer)
+
+    @torch.inference_mode()
+    def forward_stage(self, batch: ForwardBatch, kv: torch.Tensor, layers: range,
+                      hidden: torch.Tensor | None) -> torch.Tensor:
+        if not (0 <= layers.start < layers.stop <= self.num_layers and layers.step == 1):
+            raise ModelError(f"stage layers {layers.start}..{layers.stop - 1} are not a range of the model's "
+                             f"{self.num_layers} layers")
+        if (hidden is None) != (layers.start == 0):
+            raise ModelError("a stage takes the previous stage's hidden states, and only the first stage none")
+        return self._run(batch, kv, layers, hidden, None)
+
+    def _run(self, batch: ForwardBatch, kv: torch.Tensor, layers: range, hidden: torch.Tensor | None,
+             on_layer) -> torch.Tensor:
+        """Layers `layers` over the batch, from the embeddings (hidden None) or the given hidden states;
+        logits at logits_indices after the last layer, else the hidden states after layers.stop - 1."""
         n = batch.input_ids.shape[0]
-        hidden = F.embedding(batch.input_ids, self.embed)
+        if hidden is None:
+            hidden = F.embedding(batch.input_ids, self.embed)
         cos, sin = self.cos.index_select(0, batch.positions), self.sin.index_select(0, batch.positions)
-        for layer_id, w in enumerate(self.layers):
+        for layer_id in layers:
+            w = self.layers[layer_id]
             x = _rms_norm(hidden, w["ln1"], self.eps)
             qkv = F.linear(x, w["wqkv"], w["bqkv"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -93,6 +111,8 @@ class LlamaRunner(ModelRunner):
             x = _rms_norm(hidden, w["ln2"], self.eps)
             gate, up = F.linear(x, w["wgu"]).split(self.intermediate, dim=-1)
             hidden = hidden + F.linear(F.silu(gate) * up, w["wd"])
+        if layers.stop < self.num_layers:
+            return hidden
         last = _rms_norm(hidden[batch.logits_indices], self.norm, self.eps)
         return F.linear(last, self.lm_head).float()
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from mooncake.engine.kv_cache import KVSpec
+from mooncake.errors import UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,16 @@ class ModelRunner(ABC):
         """This backend for an engine of `config` (an EngineConfig); backends with settings of their own
         (the emulated runner's speedup) override this."""
         return cls(model_dir, device, dtype)
+
+    def forward_stage(self, batch: ForwardBatch, kv: torch.Tensor, layers: range,
+                      hidden: torch.Tensor | None) -> torch.Tensor:
+        """One stage of chunked pipeline parallelism (CPP, mooncake/engine/stage.py): compute only layers
+        `layers` (a contiguous range) of the batch, writing only their KV, from the previous stage's
+        `hidden` states ([num_tokens, ...], as the previous stage returned them; None for the first
+        stage, which embeds input_ids). Returns the hidden states after layers.stop - 1 for the next stage,
+        or, when layers.stop is the last layer, float32 logits as `forward` does. An emulated runner
+        sets `modelled_step_s` to the stage's share of the step."""
+        raise UnsupportedModelError(f"the {type(self).__name__} model backend cannot run CPP pipeline stages")
 
     @abstractmethod
     def forward(self, batch: ForwardBatch, kv: torch.Tensor,

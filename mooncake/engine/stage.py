@@ -1,0 +1,189 @@
+"""Chunked pipeline parallelism (CPP, DESIGN section 6) in the engine: one stage of a prompt's pipeline.
+
+A group of X engines (prefill instances) splits the model's layers into X contiguous ranges
+(`stage_layers`). Each engine's `PipelineStage` computes its range over a prompt, chunk by chunk: the first
+stage from the token embeddings, each later one from the hidden states the stage before handed on
+(`encode_hidden` / `decode_hidden`: what crosses a stage boundary, checked end to end), the last one
+ending in the logits of the prompt's last token, from which the first token is sampled. So only
+activations cross stages, and a stage starts chunk j + 1 while the next stage computes chunk j.
+
+A stage holds the prompt's blocks in its engine's paged cache with only its layers written: they are
+never registered in the prefix cache (another request must not match them) and are freed by `end`.
+`export` gives its layers of the prompt's full blocks, one payload per layer, as layer-wise streaming
+sends them, so decode assembles a block from the X stages' layers. A stage's chunk runs as a forward of
+its own (`run`), on the engine's thread between its steps: it is never batched with other requests,
+whose layers differ. Prefix reuse on a stage (reading its layers of cached blocks) is not built: a
+stage computes the whole prompt."""
+
+import queue
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+import msgpack
+import torch
+import xxhash
+
+from mooncake.engine.runner import ForwardBatch, PrefillSpan
+from mooncake.errors import InvalidRequestError, KVPayloadError
+from mooncake.hashing import hash_blocks
+from mooncake.kv_payload import KVPayload
+
+_PREFIX = struct.Struct("<IQ")  # header length, xxh3-64 of the header (as KV payloads, kv_payload.py)
+
+
+def stage_layers(num_layers: int, stages: int) -> list[range]:
+    """Stage k's layers: k*L/X .. (k+1)*L/X - 1 (DESIGN section 6)."""
+    if not 1 <= stages <= num_layers:
+        raise InvalidRequestError(f"cannot split {num_layers} layers into {stages} pipeline stages")
+    bounds = [k * num_layers // stages for k in range(stages + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def encode_hidden(hidden: torch.Tensor) -> bytes:
+    """Hidden states as they cross a stage boundary: u32 header length || u64 xxh3 of the header ||
+    msgpack header (dtype, shape, xxh3 of the data) || raw bytes."""
+    host = hidden.detach().to("cpu").contiguous()
+    raw = host.view(torch.uint8).numpy().tobytes() if host.numel() else b""
+    header = msgpack.packb({"dtype": str(host.dtype).removeprefix("torch."), "shape": list(host.shape),
+                            "checksum": xxhash.xxh3_64_intdigest(raw)})
+    return b"".join((_PREFIX.pack(len(header), xxhash.xxh3_64_intdigest(header)), header, raw))
+
+
+def decode_hidden(buf: bytes | memoryview, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The tensor `encode_hidden` wrote; KVPayloadError if any byte of it changed."""
+    view = memoryview(buf)
+    try:
+        length, header_sum = _PREFIX.unpack_from(view)
+        header_bytes = bytes(view[_PREFIX.size:_PREFIX.size + length])
+        if xxhash.xxh3_64_intdigest(header_bytes) != header_sum:
+            raise KVPayloadError("hidden states: header checksum mismatch")
+        header = msgpack.unpackb(header_bytes)
+        raw = view[_PREFIX.size + length:]
+        if xxhash.xxh3_64_intdigest(raw) != header["checksum"]:
+            raise KVPayloadError("hidden states: data checksum mismatch")
+        dtype = getattr(torch, header["dtype"])
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+        return flat.view(dtype).reshape(header["shape"]).to(device)
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError, RuntimeError,
+            msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise KVPayloadError(f"hidden states: malformed ({exc})") from None
+
+
+@dataclass
+class _Job:
+    prompt: list[int]
+    blocks: list[int]
+    hashes: list[int]
+    done: int = 0  # tokens computed
+
+
+class PipelineStage:
+    """Layers `layers` of the prompts given to it, in `engine`'s cache. Not thread-safe: call it on the
+    engine's thread, between its steps."""
+
+    def __init__(self, engine, layers: range):
+        num_layers = engine.runner.kv_spec.num_layers
+        if not (0 <= layers.start < layers.stop <= num_layers):
+            raise InvalidRequestError(f"stage layers {layers.start}..{layers.stop - 1} are outside the model's "
+                                      f"{num_layers}")
+        self.engine, self.layers = engine, layers
+        self.first, self.last = layers.start == 0, layers.stop == num_layers
+        self.jobs: dict[str, _Job] = {}
+
+    def begin(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        """Hold blocks for the prompt; InvalidRequestError when the cache has no room or the id is taken."""
+        engine, n = self.engine, len(prompt_token_ids)
+        if request_id in self.jobs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in this stage")
+        if not 0 < n < engine.max_model_len:
+            raise InvalidRequestError(f"the prompt has {n} tokens; the context length is {engine.max_model_len}")
+        blocks = engine.pool.allocate(-(-n // engine.block_size))
+        if blocks is None:
+            raise InvalidRequestError(f"no room in this stage's KV cache for a {n}-token prompt")
+        self.jobs[request_id] = _Job(list(prompt_token_ids), blocks,
+                                     hash_blocks(prompt_token_ids, engine.block_size, engine.namespace))
+
+    def run(self, request_id: str, num_tokens: int, hidden: torch.Tensor | None) -> torch.Tensor:
+        """The next `num_tokens` of the prompt through this stage's layers: the hidden states for the next
+        stage, or, on the last stage, the logits of the prompt's last token ([1, vocab], after its last
+        chunk; [0, vocab] before). An emulated runner's modelled time is waited out here."""
+        job = self.jobs[request_id]
+        start, end = job.done, min(job.done + num_tokens, len(job.prompt))
+        if end <= start:
+            raise InvalidRequestError(f"request {request_id!r}: the whole prompt has been through this stage")
+        started = time.perf_counter()
+        runner = self.engine.runner
+        batch = self._batch(job, start, end)
+        out = runner.forward_stage(batch, self.engine.kv_cache.kv, self.layers, hidden)
+        job.done = end
+        if runner.models_time and (wait := (runner.modelled_step_s or 0.0) - (time.perf_counter() - started)) > 0:
+            time.sleep(wait)
+        return out
+
+    def _batch(self, job: _Job, start: int, end: int) -> ForwardBatch:
+        device, size = self.engine.device, self.engine.block_size
+        table = torch.tensor(job.blocks, dtype=torch.long)
+        context = torch.arange(end)
+        slots = table[context // size] * size + context % size
+        return ForwardBatch(
+            input_ids=torch.tensor(job.prompt[start:end], dtype=torch.long, device=device),
+            positions=torch.arange(start, end, device=device),
+            slot_mapping=slots[start:].to(device),
+            num_decode=0,
+            decode_groups=(),
+            prefills=(PrefillSpan(0, end - start, slots.to(device)),),
+            logits_indices=torch.tensor([end - start - 1] if end == len(job.prompt) else [], dtype=torch.long,
+                                        device=device))
+
+    def export(self, request_id: str) -> list[KVPayload]:
+        """This stage's layers of the prompt's full computed blocks: a payload per block and layer."""
+        job, engine = self.jobs[request_id], self.engine
+        full = min(job.done // engine.block_size, len(job.hashes))
+        return [engine.kv_cache.export_block(job.blocks[i], job.hashes[i], engine.namespace, layer)
+                for i in range(full) for layer in self.layers]
+
+    def end(self, request_id: str) -> None:
+        """Free the prompt's blocks; unknown ids are ignored."""
+        job = self.jobs.pop(request_id, None)
+        if job is not None:
+            self.engine.pool.release(job.blocks)
+
+
+
+def run_local_pipeline(stages: list[PipelineStage], request_id: str, prompt_token_ids: list[int],
+                       chunk_tokens: int, timeout_s: float = 600.0) -> torch.Tensor:
+    """A whole group in one process (tests, benchmarks): each stage on a thread of its own, the chunks'
+    hidden states crossing each boundary as bytes (`encode_hidden`); the logits of the prompt's last
+    token ([1, vocab]). The stages keep the prompt's blocks (for `export`) until their `end`."""
+    for stage in stages:
+        stage.begin(request_id, prompt_token_ids)
+    sizes = [min(chunk_tokens, len(prompt_token_ids) - i) for i in range(0, len(prompt_token_ids), chunk_tokens)]
+    inboxes = [queue.Queue() for _ in range(len(stages) + 1)]
+    for size in sizes:
+        inboxes[0].put((size, None))
+
+    def work(k: int) -> None:
+        last = k == len(stages) - 1
+        try:
+            for _ in sizes:
+                size, data = inboxes[k].get(timeout=timeout_s)
+                if isinstance(data, BaseException):  # a stage before failed: pass it on to the caller
+                    raise data
+                hidden = None if data is None else decode_hidden(data, stages[k].engine.device)
+                out = stages[k].run(request_id, size, hidden)
+                inboxes[k + 1].put((size, out if last else encode_hidden(out)))
+        except BaseException as exc:  # noqa: BLE001 - handed on, and raised by the caller
+            inboxes[k + 1].put((0, exc))
+
+    threads = [threading.Thread(target=work, args=(k,), name=f"cpp-stage-{k}", daemon=True) for k in range(len(stages))]
+    for thread in threads:
+        thread.start()
+    logits = None
+    for _ in sizes:
+        _, out = inboxes[-1].get(timeout=timeout_s)
+        if isinstance(out, BaseException):
+            raise out
+        logits = out
+    return logits

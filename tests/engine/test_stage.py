@@ -1,0 +1,108 @@
+"""Chunked pipeline parallelism in the engine (mooncake/engine/stage.py): a prompt's layers split over 2
+and 3 engines, chunks flowing through them with only hidden states (as bytes) crossing, gives the first
+token one engine gives, and the stages' layers of the KV, imported by a decode engine, continue the
+stream token for token as one engine does. On the tiny model, the emulated one and the real SmolLM2."""
+
+import pytest
+import torch
+
+from mooncake.config import EngineConfig
+from mooncake.engine import LLMEngine, SamplingParams
+from mooncake.engine.stage import PipelineStage, decode_hidden, encode_hidden, run_local_pipeline, stage_layers
+from mooncake.errors import InvalidRequestError, KVPayloadError, ModelError
+from tests.conftest import REAL, TINY
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=[TINY, "emulated-llama3-70b", pytest.param(REAL, marks=pytest.mark.real_model)])
+def cfg(request):
+    from mooncake.models.fetch import fetch_model
+    path = fetch_model(request.param)
+    return EngineConfig(model=str(path), block_size=16, prefill_chunk=24, num_kv_blocks=128, emulation_speedup=1000)
+
+
+@pytest.fixture(scope="module")
+def single(cfg):
+    return LLMEngine(cfg)
+
+
+def prompt(engine, n=70):
+    words = "Mooncake splits a long prompt into chunks and layers and streams them through a group of nodes. "
+    return engine.tokenizer(words * 8)["input_ids"][:n]
+
+
+def test_layers_split_evenly_and_bad_splits_are_refused():
+    assert stage_layers(30, 2) == [range(0, 15), range(15, 30)]
+    assert stage_layers(30, 4) == [range(0, 7), range(7, 15), range(15, 22), range(22, 30)]
+    assert stage_layers(4, 3) == [range(0, 1), range(1, 2), range(2, 4)]
+    with pytest.raises(InvalidRequestError, match="5 pipeline stages"):
+        stage_layers(4, 5)
+
+
+def test_hidden_states_cross_as_bytes_and_a_changed_byte_is_caught():
+    hidden = torch.randn(7, 12)
+    data = encode_hidden(hidden)
+    assert torch.equal(decode_hidden(data), hidden)
+    assert torch.equal(decode_hidden(encode_hidden(torch.arange(5))), torch.arange(5))
+    for at in (0, 5, 14, len(data) // 2, len(data) - 1):
+        bad = bytearray(data)
+        bad[at] ^= 0x10
+        with pytest.raises(KVPayloadError):
+            decode_hidden(bytes(bad))
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_pipeline_gives_one_engines_tokens(cfg, single, stages):
+    ids = prompt(single)
+    (alone,) = single.generate([ids], GREEDY)
+    num_layers = single.runner.kv_spec.num_layers
+    group = [PipelineStage(LLMEngine(cfg), layers) for layers in stage_layers(num_layers, stages)]
+    free = [s.engine.pool.num_free for s in group]
+    logits = run_local_pipeline(group, "r1", ids, chunk_tokens=cfg.prefill_chunk)
+    assert logits.shape == (1, single.runner.vocab_size)
+    assert int(logits.argmax()) == alone.token_ids[0]  # the first token, from the last stage
+
+    payloads = [p for stage in group for p in stage.export("r1")]
+    assert sorted({p.layer for p in payloads}) == list(range(num_layers))  # every layer, from its stage
+    for stage, before in zip(group, free):
+        hashes = stage.jobs["r1"].hashes
+        assert stage.engine.pool.match_prefix(hashes) == []  # a stage's partial blocks are never a cache hit
+        stage.end("r1")
+        assert stage.engine.pool.num_free == before
+    decode = LLMEngine(cfg)
+    wire = [type(p).from_bytes(p.to_bytes()) for p in payloads]
+    rid = decode.add_request(ids, GREEDY, kv_payloads=wire)
+    while decode.has_unfinished():
+        decode.step()
+    out = decode.pop_completion(rid)
+    assert out.num_cached_tokens == (len(ids) - 1) // cfg.block_size * cfg.block_size  # the stages' KV was used
+    assert out.token_ids == alone.token_ids
+
+
+def test_a_stage_refuses_what_it_cannot_run(cfg, single):
+    engine = LLMEngine(cfg)
+    num_layers = engine.runner.kv_spec.num_layers
+    with pytest.raises(InvalidRequestError, match="outside"):
+        PipelineStage(engine, range(0, num_layers + 1))
+    later = PipelineStage(engine, range(1, num_layers))
+    later.begin("r1", prompt(single, 20))
+    with pytest.raises(ModelError, match="hidden states"):
+        later.run("r1", 8, None)  # a later stage needs the previous stage's output
+    with pytest.raises(InvalidRequestError, match="already"):
+        later.begin("r1", [1, 2, 3])
+    later.end("r1")
+    with pytest.raises(InvalidRequestError, match="no room"):
+        later.begin("r2", [5] * (cfg.num_kv_blocks * cfg.block_size + 10))
+    assert engine.pool.num_free == cfg.num_kv_blocks  # nothing held
+
+
+def test_a_failed_stage_ends_the_pipeline_with_its_error(cfg, single):
+    num_layers = single.runner.kv_spec.num_layers
+    group = [PipelineStage(LLMEngine(cfg), layers) for layers in stage_layers(num_layers, 2)]
+
+    def broken(*args):
+        raise RuntimeError("stage 0 lost its device")
+    group[0].run = broken
+    with pytest.raises(RuntimeError, match="lost its device"):
+        run_local_pipeline(group, "r1", prompt(single), chunk_tokens=16, timeout_s=30)
