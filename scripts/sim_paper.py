@@ -4,7 +4,7 @@
 Writes JSON and PNG plots. Experiments:
 
 - effective request capacity, Mooncake 8P8D against 16 vLLM-like instances, with chunked prefill (vLLM's
-  512-token default of the time) and without;
+  512-token default of the time) and without; and Mooncake again with CPP groups of 2 and 4;
 - mean TTFT by scheduler on 16 nodes (8P8D);
 - rejections by admission policy, 8P+8D at 2x speed, at a few TBT SLOs (decode must be the bottleneck
   for admission to matter), with the swing of decode load over time;
@@ -34,6 +34,7 @@ except ImportError:
 
 MOONCAKE, VLLM, VLLM_NO_CHUNK = ("configs/sim/mooncake-8p8d.toml", "configs/sim/vllm-16.toml",
                                  "configs/sim/vllm-16-no-chunked-prefill.toml")
+CPP_STAGES = (2, 4)  # CPP group sizes rerun for capacity
 PAPER_CAPACITY_GAIN = {"100ms": 4.98, "200ms": 1.57, "300ms": 0.59}
 PAPER_TTFT = {"kvcache-centric": 3.07, "local-cache-aware": 3.58, "least-loaded": 5.27, "random": 19.65}
 PAPER_REJECTED = {"ttft-only": 4183, "early": 3771, "predictive": 3589}
@@ -92,7 +93,9 @@ def main() -> None:
         results["mfu"] = mfu
         base = {"sim.mfu": mfu}
 
-        ours, vllm, vllm_no_chunk = run_all(pool, args.trace, [(MOONCAKE, base), (VLLM, base), (VLLM_NO_CHUNK, base)])
+        ours, vllm, vllm_no_chunk, *cpp = run_all(pool, args.trace, [
+            (MOONCAKE, base), (VLLM, base), (VLLM_NO_CHUNK, base),
+            *((MOONCAKE, {**base, "conductor.cpp_stages": x}) for x in CPP_STAGES)])
         print("\neffective request capacity (TTFT <= 30 s and TBT <= threshold), conversation trace")
         print(f"{'TBT threshold':<15}{'Mooncake':>10}{'vLLM':>8}{'gain':>8}{'vLLM no-chunk':>15}{'gain':>8}"
               f"{'paper gain':>12}")
@@ -103,6 +106,17 @@ def main() -> None:
             results["capacity"][t] = {"mooncake": m, "vllm": v, "gain": gain, "vllm_no_chunked_prefill": n,
                                       "gain_no_chunked_prefill": gain_n, "paper_gain": paper}
             print(f"{t:<15}{m:>10.1%}{v:>8.1%}{gain:>+8.0%}{n:>15.1%}{gain_n:>+8.0%}{paper:>+12.0%}")
+
+        print("\nMooncake 8P8D with CPP: prefill nodes in pipeline groups of X (conductor.cpp_stages), same trace")
+        print(f"{'groups':<15}{'100ms':>8}{'200ms':>8}{'300ms':>8}{'gain@100ms':>12}{'mean TTFT':>11}{'p99 TTFT':>10}")
+        results["cpp"] = {}
+        for x, r in zip((1, *CPP_STAGES), (ours, *cpp)):
+            capacity = r["effective_capacity"]
+            gain = capacity["100ms"] / vllm["effective_capacity"]["100ms"] - 1
+            results["cpp"][x] = {"capacity": capacity, "gain_100ms": gain, "mean_ttft_s": r["ttft_s"]["mean"],
+                                 "p99_ttft_s": r["ttft_s"]["p99"]}
+            print(f"{'none' if x == 1 else f'{8 // x} x {x}':<15}" + "".join(f"{capacity[t]:>8.1%}" for t in PAPER_CAPACITY_GAIN)
+                  + f"{gain:>+12.0%}{r['ttft_s']['mean']:>10.2f}s{r['ttft_s']['p99']:>9.2f}s")
 
         policies = list(PAPER_TTFT)
         runs = run_all(pool, args.trace, [(MOONCAKE, {**base, "conductor.placement": p}) for p in policies])

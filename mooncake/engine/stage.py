@@ -186,4 +186,6 @@ def run_local_pipeline(stages: list[PipelineStage], request_id: str, prompt_toke
         if isinstance(out, BaseException):
             raise out
         logits = out
+    for thread in threads:
+        thread.join(timeout_s)
     return logits

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Chunked pipeline parallelism (CPP): TTFT of one long cold prompt on 1, 2 and 4 prefill instances,
+beside the paper's claim that a group of X instances run as a pipeline prefills a long prompt close to X
+times faster (DESIGN section 6: CPP is the paper's answer to prompts too long for one node's TTFT).
+
+Two measurements, same prompts:
+- sim: `mooncake simulate` on a trace of that one prompt, `sim.num_prefill` = X and `conductor.cpp_stages`
+  = X (one group), LLaMA3-70B on 8 x A800 nodes (the cost model);
+- emulated: X engines of the emulated LLaMA3-70B in this process, each a `PipelineStage` holding 1/X of the
+  layers, chunks crossing stages as bytes on threads (mooncake/engine/stage.py), the modelled time waited
+  out at `--speedup`; with X = 1, one engine's own chunked prefill is the baseline. Times are scaled back
+  to the modelled hardware (x speedup).
+
+Prints, per prompt length, TTFT and speedup over one instance for X = 1, 2, 4, and writes JSON:
+`sim.<tokens>.<X>` and `emulated.<tokens>.<X>` in seconds, and `speedup.<source>.<tokens>.<X>`."""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mooncake.config import EngineConfig, load_config  # noqa: E402
+from mooncake.engine import LLMEngine, SamplingParams  # noqa: E402
+from mooncake.engine.stage import PipelineStage, run_local_pipeline, stage_layers  # noqa: E402
+from mooncake.sim.run import simulate  # noqa: E402
+
+MODEL = "emulated-llama3-70b"
+BLOCK = 512  # the trace's block
+
+
+def sim_ttft(tokens: int, stages: int, chunk: int) -> float:
+    blocks = tokens // BLOCK
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "one.jsonl"
+        trace.write_text(json.dumps({"timestamp": 0, "input_length": tokens, "output_length": 2,
+                                     "hash_ids": list(range(blocks))}) + "\n")
+        config = load_config(ROOT / "configs/sim/mooncake-8p8d.toml",
+                             {"sim.num_prefill": stages, "sim.num_decode": 1, "conductor.cpp_stages": stages,
+                              "conductor.cpp_chunk_tokens": chunk})
+        return simulate(trace, config)["ttft_s"]["mean"]
+
+
+def emulated_ttft(cfg: EngineConfig, tokens: int, stages: int, chunk: int, tag: str) -> float:
+    prompt = [(hash((tag, i)) % 250) + 1 for i in range(tokens)]  # fresh tokens: no prefix reuse
+    if stages == 1:
+        engine = LLMEngine(cfg)
+        started = time.perf_counter()
+        engine.generate([prompt], SamplingParams(max_tokens=1))
+        return time.perf_counter() - started
+    num_layers = LLMEngine(cfg).runner.kv_spec.num_layers
+    group = [PipelineStage(LLMEngine(cfg), layers) for layers in stage_layers(num_layers, stages)]
+    started = time.perf_counter()
+    run_local_pipeline(group, tag, prompt, chunk)
+    elapsed = time.perf_counter() - started
+    for stage in group:
+        stage.end(tag)
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="32768,65536,131000",
+                        help="prompt lengths, comma-separated (131000: 128k tokens less room for the first token)")
+    parser.add_argument("--stages", default="1,2,4", help="group sizes, comma-separated")
+    parser.add_argument("--chunk", type=int, default=2048, help="tokens per pipeline chunk (conductor.cpp_chunk_tokens)")
+    parser.add_argument("--speedup", type=float, default=5.0, help="the emulated engine's time compression")
+    parser.add_argument("--json", default="bench-results/cpp.json")
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.tokens.split(",")]
+    sizes = [int(x) for x in args.stages.split(",")]
+    from mooncake.models.fetch import fetch_model
+    cfg = EngineConfig(model=str(fetch_model(MODEL)), block_size=64, prefill_chunk=args.chunk,
+                       max_num_batched_tokens=args.chunk, emulation_speedup=args.speedup)
+    result = {"sim": {}, "emulated": {}, "speedup": {"sim": {}, "emulated": {}}, "chunk_tokens": args.chunk,
+              "emulation_speedup": args.speedup}
+    print(f"one cold prompt, LLaMA3-70B on 8 x A800 per instance, chunks of {args.chunk} tokens; TTFT in modelled "
+          f"seconds (speedup over 1 instance; the paper: close to X for long prompts)")
+    print(f"{'tokens':>8}{'instances':>11}{'sim s':>10}{'x':>7}{'emulated s':>12}{'x':>7}")
+    for tokens in lengths:
+        for source in ("sim", "emulated"):
+            result[source][tokens] = {}
+            result["speedup"][source][tokens] = {}
+        for x in sizes:
+            sim = sim_ttft(tokens, x, args.chunk)
+            emulated = emulated_ttft(cfg, tokens, x, args.chunk, f"{tokens}-{x}") * args.speedup
+            result["sim"][tokens][x], result["emulated"][tokens][x] = sim, emulated
+            for source, value in (("sim", sim), ("emulated", emulated)):
+                result["speedup"][source][tokens][x] = result[source][tokens][sizes[0]] / value
+            print(f"{tokens:>8}{x:>11}{sim:>10.2f}{result['speedup']['sim'][tokens][x]:>7.2f}"
+                  f"{emulated:>12.2f}{result['speedup']['emulated'][tokens][x]:>7.2f}", flush=True)
+    out = ROOT / args.json if not Path(args.json).is_absolute() else Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
