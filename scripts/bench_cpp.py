@@ -7,14 +7,18 @@ Two measurements, same prompts:
 - sim: `mooncake simulate` on a trace of that one prompt, `sim.num_prefill` = X and `conductor.cpp_stages`
   = X (one group), LLaMA3-70B on 8 x A800 nodes (the cost model);
 - emulated: X engines of the emulated LLaMA3-70B in this process, each a `PipelineStage` holding 1/X of the
-  layers, chunks crossing stages as bytes on threads (mooncake/engine/stage.py), the modelled time waited
-  out at `--speedup`; with X = 1, one engine's own chunked prefill is the baseline. Times are scaled back
+  layers (mooncake/engine/stage.py), each with a transport of its own (`--transport`, TCP by default), the
+  chunks' hidden states sent to the next stage's inbox over it (mooncake/prefill/stage_link.py), the
+  modelled time waited out at `--speedup`; with X = 1, one engine's own chunked prefill is the baseline.
+  The emulated hidden states are small (a digest per token), so the activations' modelled transfer time
+  (which the simulator charges) is not charged here. Times are scaled back
   to the modelled hardware (x speedup).
 
 Prints, per prompt length, TTFT and speedup over one instance for X = 1, 2, 4, and writes JSON:
 `sim.<tokens>.<X>` and `emulated.<tokens>.<X>` in seconds, and `speedup.<source>.<tokens>.<X>`."""
 
 import argparse
+import asyncio
 import json
 import sys
 import tempfile
@@ -26,7 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 from mooncake.config import EngineConfig, load_config  # noqa: E402
 from mooncake.engine import LLMEngine, SamplingParams  # noqa: E402
-from mooncake.engine.stage import PipelineStage, run_local_pipeline, stage_layers  # noqa: E402
+from mooncake.engine.stage import PipelineStage, stage_layers  # noqa: E402
+from mooncake.prefill.stage_link import run_group  # noqa: E402
+from mooncake.registry import load_backend  # noqa: E402
 from mooncake.sim.run import simulate  # noqa: E402
 
 MODEL = "emulated-llama3-70b"
@@ -45,7 +51,7 @@ def sim_ttft(tokens: int, stages: int, chunk: int) -> float:
         return simulate(trace, config)["ttft_s"]["mean"]
 
 
-def emulated_ttft(cfg: EngineConfig, tokens: int, stages: int, chunk: int, tag: str) -> float:
+def emulated_ttft(cfg: EngineConfig, tokens: int, stages: int, chunk: int, tag: str, transport: str) -> float:
     prompt = [(hash((tag, i)) % 250) + 1 for i in range(tokens)]  # fresh tokens: no prefix reuse
     if stages == 1:
         engine = LLMEngine(cfg)
@@ -54,8 +60,9 @@ def emulated_ttft(cfg: EngineConfig, tokens: int, stages: int, chunk: int, tag: 
         return time.perf_counter() - started
     num_layers = LLMEngine(cfg).runner.kv_spec.num_layers
     group = [PipelineStage(LLMEngine(cfg), layers) for layers in stage_layers(num_layers, stages)]
+    transports = [load_backend("transports", transport)(host="127.0.0.1") for _ in group]
     started = time.perf_counter()
-    run_local_pipeline(group, tag, prompt, chunk)
+    asyncio.run(run_group(group, transports, tag, prompt, chunk))
     elapsed = time.perf_counter() - started
     for stage in group:
         stage.end(tag)
@@ -69,6 +76,8 @@ def main() -> None:
     parser.add_argument("--stages", default="1,2,4", help="group sizes, comma-separated")
     parser.add_argument("--chunk", type=int, default=2048, help="tokens per pipeline chunk (conductor.cpp_chunk_tokens)")
     parser.add_argument("--speedup", type=float, default=5.0, help="the emulated engine's time compression")
+    parser.add_argument("--transport", default="tcp", choices=["tcp", "shm"],
+                        help="what carries the hidden states between stages")
     parser.add_argument("--json", default="bench-results/cpp.json")
     args = parser.parse_args()
     lengths = [int(x) for x in args.tokens.split(",")]
@@ -77,7 +86,7 @@ def main() -> None:
     cfg = EngineConfig(model=str(fetch_model(MODEL)), block_size=64, prefill_chunk=args.chunk,
                        max_num_batched_tokens=args.chunk, emulation_speedup=args.speedup)
     result = {"sim": {}, "emulated": {}, "speedup": {"sim": {}, "emulated": {}}, "chunk_tokens": args.chunk,
-              "emulation_speedup": args.speedup}
+              "emulation_speedup": args.speedup, "transport": args.transport}
     print(f"one cold prompt, LLaMA3-70B on 8 x A800 per instance, chunks of {args.chunk} tokens; TTFT in modelled "
           f"seconds (speedup over 1 instance; the paper: close to X for long prompts)")
     print(f"{'tokens':>8}{'instances':>11}{'sim s':>10}{'x':>7}{'emulated s':>12}{'x':>7}")
@@ -87,7 +96,7 @@ def main() -> None:
             result["speedup"][source][tokens] = {}
         for x in sizes:
             sim = sim_ttft(tokens, x, args.chunk)
-            emulated = emulated_ttft(cfg, tokens, x, args.chunk, f"{tokens}-{x}") * args.speedup
+            emulated = emulated_ttft(cfg, tokens, x, args.chunk, f"{tokens}-{x}", args.transport) * args.speedup
             result["sim"][tokens][x], result["emulated"][tokens][x] = sim, emulated
             for source, value in (("sim", sim), ("emulated", emulated)):
                 result["speedup"][source][tokens][x] = result[source][tokens][sizes[0]] / value

@@ -1,0 +1,149 @@
+"""How CPP stages on different instances hand a prompt's activations on (DESIGN section 6), over the
+configured transport.
+
+Each stage's transport serves a `StageInbox`. A chunk's hidden states (`engine/stage.py:encode_hidden`,
+which carries its own check) are sent to the next stage's inbox under `chunk_key(request, stage, chunk)`,
+self-checked, so no transport hashes them again; the receiving stage waits for that key with a deadline,
+and `decode_hidden` verifies them. `run_stage` is one stage's whole part in a prompt: it receives chunk j,
+computes it on its engine's thread (`compute`), sends the result on, and takes chunk j + 1, so a stage
+computes while its neighbours send and compute."""
+
+import asyncio
+import struct
+import time
+from collections.abc import Awaitable, Callable
+
+import torch
+import xxhash
+
+from mooncake.engine.stage import PipelineStage, decode_hidden, encode_hidden
+from mooncake.hashing import HASH_SEED
+from mooncake.transfer.contract import BlockService, TransferError, Transport
+
+Compute = Callable[..., Awaitable]  # runs fn(*args) on the stage engine's thread, e.g. EngineLoop.call
+
+
+def chunk_key(request_id: str, stage: int, chunk: int) -> int:
+    """The key chunk `chunk` of a request's hidden states travels under to stage `stage`."""
+    return xxhash.xxh3_64_intdigest(struct.pack("<II", stage, chunk) + request_id.encode(), seed=HASH_SEED)
+
+
+class StageInbox(BlockService):
+    """Hidden states sent to this stage, held until its `take`. At most `max_bytes`: past that a chunk is
+    refused (the sender's transfer fails, naming this peer), never buffered without bound. Used on the
+    event loop's thread, as transports call `put_block`."""
+
+    keeps_blocks = True
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._chunks: dict[int, bytes | memoryview] = {}
+        self._waiting: dict[int, asyncio.Future] = {}
+
+    def put_block(self, key: int, data, checksum: int | None = None) -> str | None:
+        size = memoryview(data).nbytes
+        if key in self._chunks:
+            return None  # a resend of a chunk already here
+        if self.num_bytes + size > self.max_bytes:
+            return f"the stage inbox is full ({self.num_bytes} of {self.max_bytes} bytes held)"
+        waiter = self._waiting.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(data)
+            return None
+        self._chunks[key] = data
+        self.num_bytes += size
+        return None
+
+    def get_block(self, key: int):
+        return None  # chunks are pushed, never fetched
+
+    async def take(self, key: int, timeout_s: float, what: str) -> bytes | memoryview:
+        """The chunk under `key`, waiting up to `timeout_s`; TransferError naming `what` if it is not in."""
+        data = self._chunks.pop(key, None)
+        if data is not None:
+            self.num_bytes -= memoryview(data).nbytes
+            return data
+        waiter = self._waiting[key] = asyncio.get_running_loop().create_future()
+        try:
+            return await asyncio.wait_for(waiter, timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferError(f"{what}: no hidden states from the previous stage within {timeout_s:.1f} s") \
+                from None
+        finally:
+            self._waiting.pop(key, None)
+
+    def drop(self, keys: list[int]) -> None:
+        """Forget chunks of a request that ended early (arrived or still to come)."""
+        for key in keys:
+            data = self._chunks.pop(key, None)
+            if data is not None:
+                self.num_bytes -= memoryview(data).nbytes
+            waiter = self._waiting.pop(key, None)
+            if waiter is not None and not waiter.done():
+                waiter.cancel()
+
+
+async def run_stage(stage: PipelineStage, index: int, request_id: str, chunk_sizes: list[int],
+                    compute: Compute, inbox: StageInbox | None, transport: Transport | None,
+                    next_peer: str | None, deadline: float) -> torch.Tensor | None:
+    """Stage `index`'s part in a prompt already `begin`-ed on it: every chunk through its layers, the
+    hidden states sent to `next_peer`'s inbox (none after the last stage). Returns the last stage's logits
+    of the prompt's last token, None on other stages. `deadline` (time.monotonic) bounds every wait; a
+    failed or late transfer raises TransferError naming the peer and the request."""
+    logits = None
+    for j, size in enumerate(chunk_sizes):
+        what = f"request {request_id} stage {index} chunk {j}"
+        hidden = None
+        if index > 0:
+            data = await inbox.take(chunk_key(request_id, index, j), _left(deadline, what), what)
+            hidden = decode_hidden(data, stage.engine.device)
+        out = await compute(stage.run, request_id, size, hidden)
+        if next_peer is None:
+            logits = out
+            continue
+        payload = await asyncio.to_thread(encode_hidden, out)
+        result = await transport.send(next_peer, [(chunk_key(request_id, index + 1, j), payload)],
+                                      _left(deadline, what), request_id=request_id, self_checked=True)
+        if not result.ok:
+            raise TransferError(f"{what}: stage {index + 1} at {next_peer} refused the hidden states "
+                                f"({result.blocks[0].error})")
+    return logits
+
+
+def _left(deadline: float, what: str) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferError(f"{what}: past the deadline")
+    return left
+
+
+async def run_group(stages: list[PipelineStage], transports: list[Transport], request_id: str,
+                    prompt_token_ids: list[int], chunk_tokens: int, timeout_s: float = 600.0) -> torch.Tensor:
+    """A whole group in one process (tests, benchmarks), each stage on a transport of its own (not yet
+    started) serving its inbox, each chunk computed on a thread: the logits of the prompt's last token.
+    The stages keep the prompt's blocks (for `export`) until their `end`; the transports are stopped."""
+    inboxes = [StageInbox() for _ in stages]
+    n = len(prompt_token_ids)
+    sizes = [min(chunk_tokens, n - i) for i in range(0, n, chunk_tokens)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        addresses = [await t.start(inbox) for t, inbox in zip(transports, inboxes)]
+        for stage in stages:
+            stage.begin(request_id, prompt_token_ids)
+        runs = [asyncio.ensure_future(run_stage(stage, k, request_id, sizes, _on_thread, inboxes[k], transports[k],
+                                                addresses[k + 1] if k + 1 < len(stages) else None, deadline))
+                for k, stage in enumerate(stages)]
+        try:
+            return (await asyncio.gather(*runs))[-1]
+        finally:  # one stage failed: the others stop waiting for it
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+    finally:
+        for transport in transports:
+            await transport.stop()
+
+
+async def _on_thread(fn, *args):
+    return await asyncio.to_thread(fn, *args)
