@@ -236,7 +236,7 @@ class InstanceConfig:
     instance_id: str = ""  # empty: "<role>-<host name>-<pid>", unique across hosts
     conductor_address: str = "tcp://127.0.0.1:7700"
     transport: str = "tcp"  # KV between prefill and decode: tcp, shm (same host), mooncake, inproc
-    data_address: str = ""  # decode's KV inbox; empty: any free loopback port
+    data_address: str = ""  # decode's KV inbox, prefill's CPP stage inbox; empty: any free loopback port
     use_cache_pool: bool = True  # prefill reads reused blocks from, and writes new ones to, the cache nodes
     stream_kv: bool = True  # prefill pushes each chunk's KV while computing the next; false: all at the end
     # With stream_kv: each layer's KV of a chunk leaves as soon as that layer is computed, while the next
@@ -244,7 +244,7 @@ class InstanceConfig:
     # chunk lands on TTFT; false: a chunk's blocks leave whole after its step.
     stream_layers: bool = False
     kv_inbox_ttl_s: float = 60.0  # decode drops KV no request claimed within this long
-    kv_inbox_bytes: int = 1 << 30  # decode holds at most this much unclaimed KV; more is refused
+    kv_inbox_bytes: int = 1 << 30  # decode holds at most this much unclaimed KV (prefill: CPP activations)
 
     def __post_init__(self):
         _check_known("transports", self.transport, "instance.transport")

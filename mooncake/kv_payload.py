@@ -14,7 +14,7 @@ import msgpack
 import xxhash
 
 from mooncake.errors import KVPayloadError
-from mooncake.hashing import checksum
+from mooncake.hashing import checksum, layer_key
 
 PAYLOAD_VERSION = 2  # 2: the header's own hash after its length
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -75,3 +75,9 @@ class KVPayload:
                        data=data)
         except (struct.error, KeyError, ValueError, TypeError, msgpack.UnpackException) as exc:
             raise KVPayloadError(f"malformed KV payload: {exc}") from None
+
+
+def wire_blocks(payloads: list[KVPayload]) -> list[tuple[int, bytes]]:
+    """Payloads as they go on the wire (run on a KV thread): whole blocks under their hash, one layer's
+    slices under their layer keys (`hashing.layer_key`)."""
+    return [(p.block_hash if p.layer is None else layer_key(p.block_hash, p.layer), p.to_bytes()) for p in payloads]

@@ -14,7 +14,8 @@ import msgspec
 from mooncake.errors import MooncakeError
 from mooncake.sampling import TokenLogprob
 
-VERSION = 3  # 2: logprobs on PrefillDone and Tokens; kv_dtype and time coefficients on Register; 3: StepTokens
+VERSION = 4  # 2: logprobs on PrefillDone and Tokens; kv_dtype and time coefficients on Register; 3: StepTokens;
+# 4: PrefillStage
 _TYPES: dict[str, type] = {}
 
 
@@ -187,6 +188,25 @@ class Prefill(Message, tag="prefill"):
     decode_address: str
     reuse_blocks: int = 0  # leading blocks the pool holds that this instance should read, not compute
     deadline_s: float = 60.0  # seconds from receipt to finish prefill and hand off
+
+
+class PrefillStage(Message, tag="prefill_stage"):
+    """Conductor -> each prefill instance of a CPP group (DESIGN section 6): run stage `stage` of
+    `num_stages` of this prompt, its share of the model's layers, chunk by chunk; send each chunk's hidden
+    states to the next stage's `next_address` and this stage's layers of the prompt's full blocks to
+    decode. The last stage samples the first token and, once every stage's KV is in decode's inbox,
+    reports `PrefillDone`; a stage that fails reports `RequestFailed`."""
+    request_id: str
+    token_ids: list[int]
+    block_hashes: list[int]
+    sampling: Sampling
+    stage: int
+    num_stages: int
+    chunk_tokens: int
+    decode_id: str
+    decode_address: str  # empty: the request ends with its first token, no KV goes to decode
+    next_address: str = ""  # the next stage's transport; empty on the last stage
+    deadline_s: float = 60.0
 
 
 class PrefillDone(Message, tag="prefill_done"):

@@ -28,6 +28,8 @@ SAMPLES = [
     m.Resync(),
     m.Prefill(request_id="r1", token_ids=[1, 2, 3], block_hashes=[11], sampling={"max_tokens": 4},
               decode_id="d0", decode_transport="shm", decode_address="shm://x", reuse_blocks=1, deadline_s=9.0),
+    m.PrefillStage(request_id="r1", token_ids=[1, 2, 3], block_hashes=[11], sampling={"max_tokens": 4}, stage=1,
+                   num_stages=2, chunk_tokens=2048, decode_id="d0", decode_address="tcp://127.0.0.1:9001"),
     m.PrefillDone(request_id="r1", first_token=7, finish_reason=None, num_cached_tokens=64,
                   num_computed_tokens=3, num_kv_blocks_sent=2, kv_bytes=4096, kv_seconds=0.01,
                   prefill_seconds=0.2, compute_seconds=0.1, fetched_bytes=10, fetch_seconds=0.1),

@@ -171,7 +171,8 @@ class ControlPlane:
         self.metrics.up.labels(msg.instance_id, msg.role).set(1)
         self.metrics.kv_total.labels(msg.instance_id).set(msg.num_kv_blocks)
         log.info("%s instance %s joined (%d KV blocks%s)", msg.role, msg.instance_id, msg.num_kv_blocks,
-                 f", KV inbox {msg.data_address} over {msg.transport}" if msg.data_address else "")
+                 f", {'KV' if msg.role == 'decode' else 'CPP stage'} inbox {msg.data_address} over {msg.transport}"
+                 if msg.data_address else "")
         return m.RegisterReply(accepted=True, heartbeat_interval_s=self.cfg.heartbeat_interval_s)
 
     def _on_heartbeat(self, instance: Instance, msg: m.Heartbeat):

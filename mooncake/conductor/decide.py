@@ -50,10 +50,12 @@ class Decider:
 
 
 def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_size: int, block_bytes: int,
-                 pool_nodes: frozenset[str], now: float, avoid: tuple[str, ...] = ()) -> ClusterView:
+                 pool_nodes: frozenset[str], now: float, avoid: tuple[str, ...] = (),
+                 group_stages: int = 1) -> ClusterView:
     """The live instances with the load of the requests in flight on them, and the live cache nodes as the
     only holders a prefix can be fetched from. Instances in `avoid` are left out while another of their
-    role is alive.
+    role is alive. With `group_stages` > 1 and that many prefill instances, one CPP group more: the
+    least-loaded ones, its queue their longest (a prompt runs through every stage).
 
     A prefill instance's queue is the predicted prefill time of its requests less what it has done of
     them: it has worked on them since its last hand-off or since the oldest of them arrived, whichever is
@@ -70,6 +72,12 @@ def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_s
             since = max(instance.last_done_s, min(f.legs[-1].placed_s for f in queued))
             work_s = max(0.0, work_s - (now - since))
         prefills.append(PrefillView(instance.instance_id, work_s, len(queued)))
+    if 1 < group_stages <= len(prefills):
+        members = sorted(sorted(prefills, key=lambda v: (v.queued_prefill_s, v.instance_id))[:group_stages],
+                         key=lambda v: v.instance_id)
+        prefills.append(PrefillView("+".join(v.instance_id for v in members),
+                                    max(v.queued_prefill_s for v in members), max(v.num_queued for v in members),
+                                    stages=group_stages, member_ids=tuple(v.instance_id for v in members)))
     for instance in live("decode"):
         decodes.append(DecodeView(instance.instance_id, [f.decode_load for r in instance.request_ids
                                                          if (f := flights.get(r)) is not None]))

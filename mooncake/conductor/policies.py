@@ -45,9 +45,10 @@ class PlacementPolicy(ABC):
         choice = self._choose_prefill(request, cluster)
         # NOTE: judge decode load when the request gets there, so requests still in prefill count too.
         decode, tbt_s = self._choose_decode(request, cluster.decodes, now + choice.ttft_s)
-        return Placement(prefill_id=choice.instance.instance_id, decode_id=decode.instance_id,
-                         reuse_blocks=choice.reuse_blocks, fetch_from=choice.fetch_from, ttft_s=choice.ttft_s,
-                         tbt_s=tbt_s, transfer_s=choice.transfer_s)
+        members = choice.instance.member_ids
+        return Placement(prefill_id=members[-1] if members else choice.instance.instance_id,
+                         decode_id=decode.instance_id, reuse_blocks=choice.reuse_blocks, fetch_from=choice.fetch_from,
+                         ttft_s=choice.ttft_s, tbt_s=tbt_s, transfer_s=choice.transfer_s, stage_ids=members)
 
     @abstractmethod
     def _choose_prefill(self, request: RequestView, cluster: ClusterView) -> _PrefillChoice: ...
@@ -57,9 +58,10 @@ class PlacementPolicy(ABC):
         """Algorithm 1's estimate: queue + transfer + prefill."""
         transfer_s = self._transfer_s(cluster, instance, reuse_blocks, fetch_from, local_blocks)
         reused_tokens = min(reuse_blocks * cluster.block_size, request.num_tokens)
-        return instance.queued_prefill_s + transfer_s + self._prefill_s(request, instance, reused_tokens)
+        return instance.queued_prefill_s + transfer_s + self.prefill_s(request, instance, reused_tokens)
 
-    def _prefill_s(self, request, instance: PrefillView, reused_tokens: int) -> float:
+    def prefill_s(self, request, instance: PrefillView, reused_tokens: int) -> float:
+        """The predicted prefill time of `request` on `instance` (one, or a CPP group), reusing that many tokens."""
         if instance.stages > 1 and self.cpp is not None:
             bytes_per_s = self.est.bandwidth.get(instance.instance_id, instance.instance_id)
             return pipelined_prefill_s(self.cpp, self.est.prefill_time.predict, request.num_tokens, reused_tokens,
@@ -114,6 +116,8 @@ class KVCacheCentricPolicy(PlacementPolicy):
             local = lengths.get(instance.instance_id, 0)
             remote = best_len > 0 and (local == 0 or best_len / local > self.balancing_threshold)
             reuse, source = (best_len, best_holder) if remote else (local, None)
+            if instance.member_ids:  # a live CPP group computes the whole prompt
+                local, reuse, source = 0, 0, None
             ttft = self._ttft(request, cluster, instance, reuse, source, local)
             if best is None or (ttft, instance.instance_id) < best[:2]:
                 best = (ttft, instance.instance_id, instance, reuse, source, local)

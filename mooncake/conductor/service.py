@@ -16,6 +16,7 @@ import uuid
 from mooncake import messages as m
 from mooncake.conductor.colocated import place_colocated
 from mooncake.conductor.control import ControlPlane
+from mooncake.conductor.cpp import CppSettings
 from mooncake.conductor.decide import Decider, cluster_view
 from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
 from mooncake.conductor.flight import (Flight, Leg, LegFailed, Rejected, RequestError, StreamEvent, Unavailable,
@@ -57,9 +58,6 @@ class Conductor:
             DecodeStepModel(self.cfg.decode_step_s, self.cfg.decode_s_per_seq, self.cfg.decode_s_per_context_token),
             BandwidthEstimator(self.cfg.bandwidth_bytes_per_s))
         self.decider = Decider(self.cfg, self.index, self.estimators)
-        if self.cfg.cpp_stages > 1:
-            log.warning("conductor.cpp_stages = %d is ignored: live prefill instances do not run CPP groups "
-                        "yet, only `mooncake simulate` does", self.cfg.cpp_stages)
         self.control = ControlPlane(self.cfg, self.registry, self.index, self.estimators, self.metrics, clock,
                                     route=self._route, on_dead=self._on_dead)
         self.flights: dict[str, Flight] = {}  # by the wire id of their current leg
@@ -85,14 +83,17 @@ class Conductor:
         max_positions = self.model.config.get("max_position_embeddings", 2048)
         self.max_model_len = min(self.config.engine.max_model_len or max_positions, max_positions)
         self.block_bytes = self._kv_bytes_per_token() * self.block_size
+        dtype_bytes = 4 if self.config.engine.kv_dtype == "float32" else 2
+        self.decider.policy.cpp = CppSettings.from_config(self.cfg, self.model.config["hidden_size"] * dtype_bytes)
         self.supervisor = Supervisor(self.name)
         await self.control.start(self.supervisor, self.model.model_id, self.block_size, self.config.engine.kv_dtype)
         self.pool = PoolWatcher(self.config.cache_client.nodes, self.index, self.config.cache_client.timeout_s,
                                 on_stats=self.metrics.record_cache_stats)
         self.pool.start()
-        log.info("conductor ready: model %s (%s), control %s, placement %s, admission %s",
+        log.info("conductor ready: model %s (%s), control %s, placement %s, admission %s%s",
                  self.config.engine.model, self.model.model_id, self.cfg.control_address, self.cfg.placement,
-                 self.cfg.admission)
+                 self.cfg.admission, f", CPP groups of {self.cfg.cpp_stages} for prompts over "
+                 f"{self.cfg.cpp_threshold_tokens} tokens" if self.decider.policy.cpp else "")
 
     async def stop(self) -> None:
         if self.supervisor is not None:
@@ -169,27 +170,49 @@ class Conductor:
         hashes = hash_blocks(tokens, self.block_size, self.namespace)
         view = RequestView(flight.request_id, len(tokens), tuple(hashes), remaining, now)
         pool_nodes = self.pool.live_ids if self.pool is not None else frozenset()
+        cpp = self.decider.policy.cpp
+        stages = cpp.stages if cpp is not None and len(tokens) > cpp.threshold_tokens else 1
         cluster = cluster_view(self.registry, self.flights, self.block_size, self.block_bytes, pool_nodes, now,
-                               avoid)
+                               avoid, group_stages=stages)
         p = self.decider.decide(view, cluster, now, admit)
         self._new_leg(flight, p, now)
         flight.block_hashes, flight.is_decode_sent = hashes, False
-        flight.predicted_prefill_s = self.estimators.prefill_time.predict(len(tokens), p.reuse_blocks * self.block_size)
+        if p.stage_ids:
+            group = next(v for v in cluster.prefills if v.member_ids == p.stage_ids)
+            flight.predicted_prefill_s = self.decider.policy.prefill_s(view, group, 0)
+        else:
+            flight.predicted_prefill_s = self.estimators.prefill_time.predict(len(tokens), p.reuse_blocks * self.block_size)
         start = now + p.ttft_s
         flight.decode_load = DecodeLoad(start, start + remaining * max(p.tbt_s, 1e-3), len(tokens) + remaining)
         # NOTE: a request that ends with its first token never reaches decode, so it ships no KV there.
         ships_kv = remaining > 1
-        self._hold(flight, p.prefill_id)
+        for instance_id in p.stage_ids or (p.prefill_id,):
+            self._hold(flight, instance_id)
         if ships_kv:
             self._hold(flight, p.decode_id)
         decode = self.registry.get(p.decode_id)
         time_left_s = flight.deadline_s - now
+        if p.stage_ids:
+            return await self._send_stages(flight, p, tokens, hashes, decode, ships_kv, time_left_s)
         if not await self.control.send(p.prefill_id, m.Prefill(
                 request_id=flight.wire_id, token_ids=tokens, block_hashes=hashes,
                 sampling=wire_sampling(flight.params), decode_id=decode.instance_id,
                 decode_transport=decode.transport, decode_address=decode.data_address if ships_kv else "",
                 reuse_blocks=p.reuse_blocks, deadline_s=max(0.01, min(self.cfg.prefill_timeout_s, time_left_s)))):
             raise LegFailed(f"prefill instance {p.prefill_id} is unreachable", (p.prefill_id,))
+
+    async def _send_stages(self, flight: Flight, p: Placement, tokens: list[int], hashes: list[int], decode: Instance,
+                           ships_kv: bool, time_left_s: float) -> None:
+        """A CPP leg: a `PrefillStage` to every instance of the group, each told where the next stage is."""
+        addresses = [self.registry.get(i).data_address for i in p.stage_ids]
+        for k, instance_id in enumerate(p.stage_ids):
+            if not await self.control.send(instance_id, m.PrefillStage(
+                    request_id=flight.wire_id, token_ids=tokens, block_hashes=hashes,
+                    sampling=wire_sampling(flight.params), stage=k, num_stages=len(p.stage_ids),
+                    chunk_tokens=self.cfg.cpp_chunk_tokens, next_address=(addresses + [""])[k + 1],
+                    decode_id=decode.instance_id, decode_address=decode.data_address if ships_kv else "",
+                    deadline_s=max(0.01, min(self.cfg.prefill_timeout_s, time_left_s)))):
+                raise LegFailed(f"prefill instance {instance_id} (CPP stage {k}) is unreachable", (instance_id,))
 
     async def _start_colocated_leg(self, flight: Flight, tokens: list[int], remaining: int, now: float,
                                    avoid: tuple[str, ...]) -> None:
@@ -285,9 +308,10 @@ class Conductor:
     def _on_prefill_done(self, flight: Flight, done: m.PrefillDone) -> tuple[list[int], str | None]:
         p = flight.placement
         flight.in_prefill = False
-        self._let_go(flight, p.prefill_id, cancel=False)  # it released the request itself
-        if (instance := self.registry.get(p.prefill_id)) is not None:
-            instance.last_done_s = self.clock()
+        for instance_id in p.stage_ids or (p.prefill_id,):
+            self._let_go(flight, instance_id, cancel=False)  # it released the request itself
+            if (instance := self.registry.get(instance_id)) is not None:
+                instance.last_done_s = self.clock()
         leg = flight.legs[-1]
         leg.prefill_done_s, leg.fetch_s, leg.compute_s, leg.kv_transfer_s = (
             self.clock(), done.fetch_seconds, done.compute_seconds, done.kv_seconds)
@@ -302,8 +326,10 @@ class Conductor:
         self.metrics.kv_seconds.labels(p.prefill_id).inc(done.kv_seconds)
         self.metrics.fetch_bytes.labels(p.prefill_id).inc(done.fetched_bytes)
         self.metrics.queue.observe(leg.queue_s)
-        # NOTE: compute time, not receipt-to-hand-off: queueing is what T_queue adds on top.
-        self.estimators.prefill_time.observe(n, done.num_cached_tokens, done.compute_seconds)
+        # NOTE: compute time, not receipt-to-hand-off: queueing is what T_queue adds on top. A CPP group's
+        # time is a pipeline's, not one instance's: it does not fit the model.
+        if not p.stage_ids:
+            self.estimators.prefill_time.observe(n, done.num_cached_tokens, done.compute_seconds)
         if p.fetch_from and done.fetched_bytes:
             self.estimators.bandwidth.observe(p.fetch_from, p.prefill_id, done.fetched_bytes, done.fetch_seconds)
         # NOTE: the decode load was predicted at placement; now the real start is known.

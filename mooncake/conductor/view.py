@@ -18,6 +18,10 @@ class PrefillView:
     queued_prefill_s: float = 0.0  # predicted prefill time of the requests queued on it
     num_queued: int = 0
     stages: int = 1  # a CPP group of this many instances run as a pipeline (conductor/cpp.py)
+    # A live CPP group: its instances, in stage order (instance_id names the group). Its stages reuse no
+    # cached prefix (not built on a stage), so a policy places no reuse on it. Empty: one instance, or a
+    # simulated group (whose pool serves its stages).
+    member_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Placement:
     ttft_s: float  # estimated: queue + transfer + prefill
     tbt_s: float  # estimated TBT of the decode instance with this request added
     transfer_s: float = 0.0
+    stage_ids: tuple[str, ...] = ()  # a live CPP group's instances in stage order (prefill_id: the last)
 
 
 @dataclass

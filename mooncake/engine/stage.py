@@ -26,9 +26,12 @@ import torch
 import xxhash
 
 from mooncake.engine.runner import ForwardBatch, PrefillSpan
+from mooncake.engine.sampler import logprobs_of, sample
+from mooncake.engine.sequence import Sequence
 from mooncake.errors import InvalidRequestError, KVPayloadError
 from mooncake.hashing import hash_blocks
 from mooncake.kv_payload import KVPayload
+from mooncake.sampling import SamplingParams, TokenLogprob
 
 _PREFIX = struct.Struct("<IQ")  # header length, xxh3-64 of the header (as KV payloads, kv_payload.py)
 
@@ -143,6 +146,22 @@ class PipelineStage:
         full = min(job.done // engine.block_size, len(job.hashes))
         return [engine.kv_cache.export_block(job.blocks[i], job.hashes[i], engine.namespace, layer)
                 for i in range(full) for layer in self.layers]
+
+    def first_token(self, request_id: str, logits: torch.Tensor,
+                    params: SamplingParams) -> tuple[int, TokenLogprob | None, str | None]:
+        """On the last stage: the first token sampled from `run`'s logits as the engine samples it, its
+        logprob when asked, and "stop" or "length" when it already ends the request."""
+        engine = self.engine
+        generator = None
+        if not params.is_greedy:
+            generator = torch.Generator(device=engine.device)
+            generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        seq = Sequence(request_id, self.jobs[request_id].prompt, params, generator=generator)
+        logits = logits.float()
+        (token,) = sample(logits, [seq])
+        (logprob,) = logprobs_of(logits, [seq], [token])
+        stops = token in params.stop_token_ids or (not params.ignore_eos and token in engine.runner.eos_token_ids)
+        return token, logprob, "stop" if stops else "length" if params.max_tokens <= 1 else None
 
     def end(self, request_id: str) -> None:
         """Free the prompt's blocks; unknown ids are ignored."""

@@ -30,28 +30,31 @@ def chunk_key(request_id: str, stage: int, chunk: int) -> int:
 
 class StageInbox(BlockService):
     """Hidden states sent to this stage, held until its `take`. At most `max_bytes`: past that a chunk is
-    refused (the sender's transfer fails, naming this peer), never buffered without bound. Used on the
-    event loop's thread, as transports call `put_block`."""
+    refused (the sender's transfer fails, naming this peer), never buffered without bound; a chunk nobody
+    takes (its request ended here first) expires after `ttl_s`. Used on the event loop's thread, as
+    transports call `put_block`."""
 
     keeps_blocks = True
 
-    def __init__(self, max_bytes: int = 1 << 30):
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int = 1 << 30, ttl_s: float = 60.0):
+        self.max_bytes, self.ttl_s = max_bytes, ttl_s
         self.num_bytes = 0
-        self._chunks: dict[int, bytes | memoryview] = {}
+        self._chunks: dict[int, tuple[bytes | memoryview, float]] = {}  # key -> (data, expiry)
         self._waiting: dict[int, asyncio.Future] = {}
 
     def put_block(self, key: int, data, checksum: int | None = None) -> str | None:
+        now = time.monotonic()
+        self._expire(now)
         size = memoryview(data).nbytes
         if key in self._chunks:
             return None  # a resend of a chunk already here
-        if self.num_bytes + size > self.max_bytes:
-            return f"the stage inbox is full ({self.num_bytes} of {self.max_bytes} bytes held)"
         waiter = self._waiting.pop(key, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(data)
             return None
-        self._chunks[key] = data
+        if self.num_bytes + size > self.max_bytes:
+            return f"the stage inbox is full ({self.num_bytes} of {self.max_bytes} bytes held)"
+        self._chunks[key] = (data, now + self.ttl_s)
         self.num_bytes += size
         return None
 
@@ -60,28 +63,34 @@ class StageInbox(BlockService):
 
     async def take(self, key: int, timeout_s: float, what: str) -> bytes | memoryview:
         """The chunk under `key`, waiting up to `timeout_s`; TransferError naming `what` if it is not in."""
-        data = self._chunks.pop(key, None)
-        if data is not None:
-            self.num_bytes -= memoryview(data).nbytes
+        if (data := self._pop(key)) is not None:
             return data
         waiter = self._waiting[key] = asyncio.get_running_loop().create_future()
         try:
             return await asyncio.wait_for(waiter, timeout_s)
         except asyncio.TimeoutError:
-            raise TransferError(f"{what}: no hidden states from the previous stage within {timeout_s:.1f} s") \
-                from None
+            raise TransferError(f"{what}: nothing from the previous stage within {timeout_s:.1f} s") from None
         finally:
             self._waiting.pop(key, None)
 
     def drop(self, keys: list[int]) -> None:
         """Forget chunks of a request that ended early (arrived or still to come)."""
         for key in keys:
-            data = self._chunks.pop(key, None)
-            if data is not None:
-                self.num_bytes -= memoryview(data).nbytes
+            self._pop(key)
             waiter = self._waiting.pop(key, None)
             if waiter is not None and not waiter.done():
                 waiter.cancel()
+
+    def _pop(self, key: int):
+        entry = self._chunks.pop(key, None)
+        if entry is None:
+            return None
+        self.num_bytes -= memoryview(entry[0]).nbytes
+        return entry[0]
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, (_, expiry) in self._chunks.items() if expiry <= now]:
+            self._pop(key)
 
 
 async def run_stage(stage: PipelineStage, index: int, request_id: str, chunk_sizes: list[int],

@@ -7,7 +7,9 @@ chunk overlaps the compute of the next (chunk-wise streaming). With `instance.st
 each layer of those blocks as soon as the layer is computed instead (layer-wise streaming); the pool
 still gets whole blocks after the step. When the first token is out and every
 block has arrived at decode, release the request's blocks (they stay in the local prefix cache) and
-report `PrefillDone`. A request that misses its deadline or is cancelled is aborted and its blocks freed."""
+report `PrefillDone`. A request that misses its deadline or is cancelled is aborted and its blocks freed.
+A `PrefillStage` (one stage of a CPP group's pipeline) is stages.py's; the instance's transport serves
+the stage inbox where the stage before sends it activations."""
 
 import asyncio
 import logging
@@ -17,21 +19,15 @@ from dataclasses import dataclass, field
 from mooncake import messages as m
 from mooncake.sampling import SamplingParams, TokenLogprob
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
-from mooncake.hashing import layer_key
 from mooncake.instance.worker import Worker
-from mooncake.kv_payload import KVPayload
+from mooncake.kv_payload import KVPayload, wire_blocks
+from mooncake.prefill.stages import PrefillStages
 from mooncake.store.client import CacheClient
 from mooncake.transfer.contract import TransferError, make_transport
 
 log = logging.getLogger(__name__)
 
 MAX_POOL_WRITES = 64  # chunks being written to the pool at once; past that, chunks skip the pool
-
-
-def _encode(payloads: list[KVPayload]) -> list[tuple[int, bytes]]:
-    """A chunk's blocks as they go on the wire (run on the KV thread): whole blocks under their hash, one
-    layer's slices under their layer keys."""
-    return [(p.block_hash if p.layer is None else layer_key(p.block_hash, p.layer), p.to_bytes()) for p in payloads]
 
 
 @dataclass
@@ -62,12 +58,15 @@ class PrefillWorker(Worker):
         self._pool_writes: set[asyncio.Task] = set()
         self._snapshot: list[int] | None = None  # the whole prefix cache, for the next heartbeat
         self._snapshot_task: asyncio.Task | None = None
+        self.stages: PrefillStages | None = None  # its part in CPP groups (stages.py)
 
     async def start_role(self) -> None:
         # NOTE: read once here: the runner belongs to the engine thread (an emulated one models this).
-        self._transfer_s_per_block = self.engine.runner.transfer_seconds(self.engine.block_size)
+        self.transfer_s_per_block = self.engine.runner.transfer_seconds(self.engine.block_size)
         self.transport = make_transport(self.config.instance.transport, self.config)
-        await self.transport.start()
+        # NOTE: it serves only the stage inbox: CPP stages of other instances send it activations.
+        self.stages = PrefillStages(self, self.config.instance.kv_inbox_bytes)
+        self.data_address = await self.transport.start(self.stages.inbox, self.config.instance.data_address or None)
         if self.config.instance.use_cache_pool:
             self.cache = CacheClient(self.config.cache_client, lambda name: make_transport(name, self.config))
             try:
@@ -79,7 +78,7 @@ class PrefillWorker(Worker):
                 self.cache = None
         self._deadlines = self.supervisor.spawn(self._enforce_deadlines(), "the deadline watch")
         if self.config.instance.stream_layers:
-            self.loop.stream_layers(self._push_layer, _encode)
+            self.loop.stream_layers(self._push_layer, wire_blocks)
 
     async def stop_role(self) -> None:
         if self._deadlines is not None:
@@ -130,6 +129,8 @@ class PrefillWorker(Worker):
     async def on_message(self, msg) -> None:
         if isinstance(msg, m.Prefill):
             self.spawn_for(msg.request_id, self._admit(msg), "admission")
+        elif isinstance(msg, m.PrefillStage):
+            self.stages.admit(msg)
         elif isinstance(msg, m.Cancel):
             await self.drop(msg.request_id)
         elif isinstance(msg, m.Resync):
@@ -172,7 +173,7 @@ class PrefillWorker(Worker):
             return []
         start = time.perf_counter()
         found = await self.cache.get_blocks(wanted)
-        if delay := self._transfer_s_per_block * sum(found.get(k) is not None for k in wanted):
+        if delay := self.transfer_s_per_block * sum(found.get(k) is not None for k in wanted):
             await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
         job.fetch_seconds = time.perf_counter() - start
         payloads = []
@@ -245,7 +246,7 @@ class PrefillWorker(Worker):
         wanted = range(max(first, job.num_pool_blocks) if self.cache is not None else num_full, num_full)
         if not wanted and all(i in job.layered for i in range(first, num_full)):
             return  # every block went to decode layer by layer, and the pool needs none
-        exported = self.loop.export_kv(request_id, first, num_full - first, _encode)
+        exported = self.loop.export_kv(request_id, first, num_full - first, wire_blocks)
         job.pushes.append(asyncio.create_task(self._push(job, exported, first)))
 
     async def _push(self, job: _Job, exported: asyncio.Future, first_block: int):
@@ -288,7 +289,7 @@ class PrefillWorker(Worker):
         `num_blocks` is what they amount to in whole blocks, and `ready_at` when an emulated step has them
         computed (for an emulated model's timing)."""
         msg = job.msg
-        delay = self._transfer_s_per_block * num_blocks + max(0.0, (ready_at or 0.0) - time.perf_counter())
+        delay = self.transfer_s_per_block * num_blocks + max(0.0, (ready_at or 0.0) - time.perf_counter())
         if delay:
             await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
         # NOTE: one transfer id per chunk (and layer): several of a request's may be in flight at once.
@@ -348,6 +349,8 @@ class PrefillWorker(Worker):
         return self.engine.pop_completion(request_id), num_forwarded
 
     async def drop(self, request_id: str) -> None:
+        if self.stages is not None:
+            await self.stages.drop(request_id)
         job = self.jobs.pop(request_id, None)
         if job is not None:
             for task in job.pushes:

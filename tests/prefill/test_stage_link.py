@@ -63,7 +63,7 @@ def test_a_stage_that_hears_nothing_fails_by_its_deadline(cfg):
     async def go():
         return await run_stage(stage, 1, "r7", [5], on_thread, StageInbox(), None, None, time.monotonic() + 0.3)
     started = time.monotonic()
-    with pytest.raises(TransferError, match="request r7 stage 1 chunk 0: no hidden states"):
+    with pytest.raises(TransferError, match="request r7 stage 1 chunk 0: nothing from the previous stage"):
         asyncio.run(go())
     assert time.monotonic() - started < 5
     stage.end("r7")

@@ -1,0 +1,155 @@
+"""A prefill instance's part in CPP groups (DESIGN section 6): the `PrefillStage` jobs the conductor sends
+each instance of a group, for a prompt long enough to be worth a pipeline.
+
+Stage k holds layers k*L/X .. (k+1)*L/X - 1 (`engine/stage.py`). For each chunk of the prompt it takes the
+previous stage's hidden states from this instance's `StageInbox` (stage 0: the tokens), computes its
+layers on the engine's thread between the engine's own steps, and sends the result to the next stage
+(`stage_link.run_stage`). Then it pushes its layers of the prompt's full blocks to decode, one payload per
+block and layer, as layer-wise streaming does, so decode claims each block by all its layers.
+
+Only the last stage reports `PrefillDone`, and only when every stage's KV is in decode's inbox: each stage
+waits for the one before to say its KV is there (an empty chunk after the last, in the inbox), pushes its
+own, and says so to the next. A failure anywhere ends the stage's job with `RequestFailed`; the conductor
+then cancels the others and moves the request. Prefix reuse on a stage is not built: a stage computes the
+whole prompt, and its blocks are never entered in the prefix cache."""
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mooncake import messages as m
+from mooncake.engine.stage import PipelineStage, encode_hidden, stage_layers
+from mooncake.errors import InvalidRequestError, MooncakeError
+from mooncake.kv_payload import wire_blocks
+from mooncake.prefill.stage_link import StageInbox, chunk_key, run_stage
+from mooncake.sampling import SamplingParams
+from mooncake.transfer.contract import TransferError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _StageJob:
+    msg: m.PrefillStage
+    task: asyncio.Task | None = None
+
+    @property
+    def keys(self) -> list[int]:
+        """Every inbox key of this request's chunks to this stage, and the one saying the KV is in."""
+        n = -(-len(self.msg.token_ids) // self.msg.chunk_tokens)
+        return [chunk_key(self.msg.request_id, self.msg.stage, j) for j in range(n + 1)]
+
+
+class PrefillStages:
+    """The worker's stage jobs, its StageInbox, and one PipelineStage per layer range asked of it."""
+
+    def __init__(self, worker, max_bytes: int):
+        self.worker = worker
+        self.inbox = StageInbox(max_bytes)
+        self.jobs: dict[str, _StageJob] = {}
+        self._stages: dict[tuple[int, int], PipelineStage] = {}
+
+    def admit(self, msg: m.PrefillStage) -> None:
+        if msg.request_id in self.jobs:
+            log.warning("%s: stage job %s is already here; ignored", self.worker.name, msg.request_id)
+            return
+        job = self.jobs[msg.request_id] = _StageJob(msg)
+        job.task = self.worker.spawn_for(msg.request_id, self._run(job), "a CPP stage")
+
+    async def drop(self, request_id: str) -> None:
+        job = self.jobs.pop(request_id, None)
+        if job is None:
+            return
+        self.inbox.drop(job.keys)
+        if job.task is not None and job.task is not asyncio.current_task():
+            job.task.cancel()
+            await asyncio.gather(job.task, return_exceptions=True)
+
+    def _stage(self, msg: m.PrefillStage) -> PipelineStage:
+        engine = self.worker.engine
+        if not 0 <= msg.stage < msg.num_stages or msg.chunk_tokens <= 0:
+            raise InvalidRequestError(f"stage {msg.stage} of {msg.num_stages} in chunks of {msg.chunk_tokens} tokens")
+        layers = stage_layers(engine.runner.kv_spec.num_layers, msg.num_stages)[msg.stage]
+        key = (layers.start, layers.stop)
+        if key not in self._stages:
+            self._stages[key] = PipelineStage(engine, layers)
+        return self._stages[key]
+
+    async def _run(self, job: _StageJob) -> None:
+        msg, worker = job.msg, self.worker
+        rid, last = msg.request_id, msg.stage == msg.num_stages - 1
+        received = time.perf_counter()
+        deadline = time.monotonic() + msg.deadline_s
+        n = len(msg.token_ids)
+        sizes = [min(msg.chunk_tokens, n - i) for i in range(0, n, msg.chunk_tokens)]
+        try:
+            stage = self._stage(msg)
+            params = SamplingParams(**{**msg.sampling, "max_tokens": 1, "stop": ()})
+            await worker.loop.call(stage.begin, rid, msg.token_ids)
+        except (InvalidRequestError, TypeError, ValueError) as exc:
+            self.jobs.pop(rid, None)
+            await worker.report_failure(rid, f"CPP stage {msg.stage}: {exc}", is_invalid=True)
+            return
+        try:
+            logits = await run_stage(stage, msg.stage, rid, sizes, worker.loop.call, self.inbox, worker.transport,
+                                     msg.next_address or None, deadline)
+            compute_s = time.perf_counter() - received
+            kv = await self._push_kv(stage, msg, deadline)
+            if msg.stage > 0:  # the stages before have their KV in decode's inbox
+                await self.inbox.take(chunk_key(rid, msg.stage, len(sizes)), _left(deadline, rid),
+                                      f"request {rid} stage {msg.stage}: the KV of the stages before")
+            if not last:
+                done = await worker.transport.send(msg.next_address, [(chunk_key(rid, msg.stage + 1, len(sizes)),
+                                                                       encode_hidden(torch.empty(0)))],
+                                                   _left(deadline, rid), request_id=rid, self_checked=True)
+                if not done.ok:
+                    raise TransferError(f"request {rid}: stage {msg.stage + 1} at {msg.next_address} refused the "
+                                        f"word that the KV is in ({done.blocks[0].error})")
+                return
+            token, logprob, reason = await worker.loop.call(stage.first_token, rid, logits, params)
+            log.info("%s: request %s: first token from a %d-stage CPP pipeline, %d tokens in %d chunks, %.3f s",
+                     worker.name, rid, msg.num_stages, n, len(sizes), time.perf_counter() - received)
+            if self.jobs.pop(rid, None) is None:
+                return  # cancelled meanwhile
+            await worker.link.send(m.PrefillDone(
+                request_id=rid, first_token=token, finish_reason=reason, first_logprob=logprob,
+                num_cached_tokens=0, num_computed_tokens=n,
+                num_kv_blocks_sent=len(msg.block_hashes) if msg.decode_address else 0,
+                kv_bytes=kv.num_bytes if kv else 0, kv_seconds=kv.seconds if kv else 0.0,
+                prefill_seconds=time.perf_counter() - received, compute_seconds=compute_s))
+        except (MooncakeError, asyncio.TimeoutError) as exc:
+            if self.jobs.pop(rid, None) is not None:
+                log.warning("%s: CPP stage %d of request %s failed: %s", worker.name, msg.stage, rid, exc)
+                await worker.report_failure(rid, f"CPP stage {msg.stage}: {exc}")
+        finally:
+            self.jobs.pop(rid, None)
+            await worker.loop.call(stage.end, rid)
+
+    async def _push_kv(self, stage: PipelineStage, msg: m.PrefillStage, deadline: float):
+        """This stage's layers of the prompt's full blocks into decode's inbox; None when none go there."""
+        worker = self.worker
+        if not msg.decode_address:
+            return None
+        payloads = await worker.loop.call(stage.export, msg.request_id)
+        if not payloads:
+            return None
+        blocks = await asyncio.to_thread(wire_blocks, payloads)
+        if delay := worker.transfer_s_per_block * len(payloads) / worker.engine.runner.kv_spec.num_layers:
+            await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
+        result = await worker.transport.send(msg.decode_address, blocks, _left(deadline, msg.request_id),
+                                             f"{msg.request_id}/S{msg.stage}", self_checked=True)
+        if not result.ok:
+            bad = next(b for b in result.blocks if not b.ok)
+            raise TransferError(f"decode {msg.decode_id} at {msg.decode_address} did not take block {bad.key:#x} "
+                                f"of request {msg.request_id} from stage {msg.stage}: {bad.error}")
+        return result
+
+
+def _left(deadline: float, request_id: str) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferError(f"request {request_id}: CPP stage past its deadline")
+    return left

@@ -1,0 +1,44 @@
+"""CPP over real processes: with conductor.cpp_stages = 2, a prompt over the threshold runs on both prefill
+instances as a two-stage pipeline (activations over TCP between them, each stage's layers to decode), and
+the answer is the one `mooncake generate` gives; a short prompt still goes to one instance."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.conftest import make_cluster, post
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir, tmp_path_factory):
+    with make_cluster(tmp_path_factory, "tcp", num_prefill=2, **{
+            "conductor.cpp_stages": 2, "conductor.cpp_threshold_tokens": 64, "conductor.cpp_chunk_tokens": 32}) as c:
+        yield c
+
+
+def generate(cluster, prompt, max_tokens):
+    config = cluster.process("prefill-0").config_path
+    out = subprocess.run([sys.executable, "-m", "mooncake", "generate", "--config", str(config), "--prompt", prompt,
+                          "--max-tokens", str(max_tokens), "--json"], capture_output=True, text=True, timeout=300,
+                         check=True)
+    return json.loads(out.stdout)["token_ids"]
+
+
+def test_a_long_prompt_runs_on_a_group_and_gives_one_instances_tokens(cluster):
+    prompt = "Chunked pipeline parallelism splits a long prompt over a group of nodes. " * 8
+    body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": 12, "ignore_eos": True,
+            "return_token_ids": True}
+    status, reply = post(cluster.url + "/v1/completions", body)
+    assert status == 200, reply
+    assert reply["usage"]["prompt_tokens"] > 64
+    assert reply["choices"][0]["token_ids"] == generate(cluster, prompt, 12)
+    logs = [(cluster.workdir / f"prefill-{i}.log").read_text() for i in range(2)]
+    assert not any("CPP stage" in log and "failed" in log for log in logs)
+    assert sum("first token from a 2-stage CPP pipeline" in log for log in logs) == 1  # on the last stage
+    assert "computing the rest here" not in (cluster.workdir / "decode-0.log").read_text()  # every layer came
+
+    short = "Short prompt."
+    status, reply = post(cluster.url + "/v1/completions", {**body, "prompt": short, "max_tokens": 4})
+    assert status == 200 and reply["choices"][0]["token_ids"] == generate(cluster, short, 4)
