@@ -176,11 +176,12 @@ class ConductorConfig:
     decode_s_per_seq: float = 2e-3
     decode_s_per_context_token: float = 1e-6
     bandwidth_bytes_per_s: float = 1e9
-    # Chunked pipeline parallelism (CPP, DESIGN section 6): prefill instances form groups of cpp_stages,
-    # each a pipeline whose stage k computes layers k*L/X .. (k+1)*L/X - 1 of every request placed on the
-    # group. A prompt whose uncached part is longer than cpp_threshold_tokens flows through in chunks of
-    # cpp_chunk_tokens (so its stages work at once); a shorter one as one chunk. 1: no groups. Only
-    # `mooncake simulate` runs CPP so far: the live conductor ignores it.
+    # Chunked pipeline parallelism (CPP, DESIGN section 6): a group of cpp_stages prefill instances runs
+    # a prompt as a pipeline whose stage k computes layers k*L/X .. (k+1)*L/X - 1, in chunks of
+    # cpp_chunk_tokens. 1: no groups. `mooncake simulate`: prefill nodes form static groups; a prompt whose
+    # uncached part is over cpp_threshold_tokens is chunked, a shorter one passes as one chunk. Live: for a
+    # prompt over cpp_threshold_tokens, Algorithm 1 also weighs a group of the least-loaded instances
+    # (which reuses no cached prefix: not built on a stage) and picks it when its pipeline is faster.
     cpp_stages: int = 1
     cpp_threshold_tokens: int = 2048
     cpp_chunk_tokens: int = 2048
