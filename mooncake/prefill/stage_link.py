@@ -105,7 +105,7 @@ async def run_stage(stage: PipelineStage, index: int, request_id: str, chunk_siz
         what = f"request {request_id} stage {index} chunk {j}"
         hidden = None
         if index > 0:
-            data = await inbox.take(chunk_key(request_id, index, j), _left(deadline, what), what)
+            data = await inbox.take(chunk_key(request_id, index, j), time_left(deadline, what), what)
             hidden = decode_hidden(data, stage.engine.device)
         out = await compute(stage.run, request_id, size, hidden)
         if next_peer is None:
@@ -113,14 +113,15 @@ async def run_stage(stage: PipelineStage, index: int, request_id: str, chunk_siz
             continue
         payload = await asyncio.to_thread(encode_hidden, out)
         result = await transport.send(next_peer, [(chunk_key(request_id, index + 1, j), payload)],
-                                      _left(deadline, what), request_id=request_id, self_checked=True)
+                                      time_left(deadline, what), request_id=request_id, self_checked=True)
         if not result.ok:
             raise TransferError(f"{what}: stage {index + 1} at {next_peer} refused the hidden states "
                                 f"({result.blocks[0].error})")
     return logits
 
 
-def _left(deadline: float, what: str) -> float:
+def time_left(deadline: float, what: str) -> float:
+    """Seconds to `deadline` (time.monotonic); TransferError naming `what` once it has passed."""
     left = deadline - time.monotonic()
     if left <= 0:
         raise TransferError(f"{what}: past the deadline")

@@ -24,7 +24,7 @@ from mooncake import messages as m
 from mooncake.engine.stage import PipelineStage, encode_hidden, stage_layers
 from mooncake.errors import InvalidRequestError, MooncakeError
 from mooncake.kv_payload import wire_blocks
-from mooncake.prefill.stage_link import StageInbox, chunk_key, run_stage
+from mooncake.prefill.stage_link import StageInbox, chunk_key, run_stage, time_left
 from mooncake.sampling import SamplingParams
 from mooncake.transfer.contract import TransferError
 
@@ -81,6 +81,7 @@ class PrefillStages:
     async def _run(self, job: _StageJob) -> None:
         msg, worker = job.msg, self.worker
         rid, last = msg.request_id, msg.stage == msg.num_stages - 1
+        what = f"request {rid} stage {msg.stage}"
         received = time.perf_counter()
         deadline = time.monotonic() + msg.deadline_s
         n = len(msg.token_ids)
@@ -99,12 +100,12 @@ class PrefillStages:
             compute_s = time.perf_counter() - received
             kv = await self._push_kv(stage, msg, deadline)
             if msg.stage > 0:  # the stages before have their KV in decode's inbox
-                await self.inbox.take(chunk_key(rid, msg.stage, len(sizes)), _left(deadline, rid),
+                await self.inbox.take(chunk_key(rid, msg.stage, len(sizes)), time_left(deadline, what),
                                       f"request {rid} stage {msg.stage}: the KV of the stages before")
             if not last:
                 done = await worker.transport.send(msg.next_address, [(chunk_key(rid, msg.stage + 1, len(sizes)),
                                                                        encode_hidden(torch.empty(0)))],
-                                                   _left(deadline, rid), request_id=rid, self_checked=True)
+                                                   time_left(deadline, what), request_id=rid, self_checked=True)
                 if not done.ok:
                     raise TransferError(f"request {rid}: stage {msg.stage + 1} at {msg.next_address} refused the "
                                         f"word that the KV is in ({done.blocks[0].error})")
@@ -139,7 +140,8 @@ class PrefillStages:
         blocks = await asyncio.to_thread(wire_blocks, payloads)
         if delay := worker.transfer_s_per_block * len(payloads) / worker.engine.runner.kv_spec.num_layers:
             await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
-        result = await worker.transport.send(msg.decode_address, blocks, _left(deadline, msg.request_id),
+        what = f"request {msg.request_id} stage {msg.stage}"
+        result = await worker.transport.send(msg.decode_address, blocks, time_left(deadline, what),
                                              f"{msg.request_id}/S{msg.stage}", self_checked=True)
         if not result.ok:
             bad = next(b for b in result.blocks if not b.ok)
@@ -147,9 +149,3 @@ class PrefillStages:
                                 f"of request {msg.request_id} from stage {msg.stage}: {bad.error}")
         return result
 
-
-def _left(deadline: float, request_id: str) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TransferError(f"request {request_id}: CPP stage past its deadline")
-    return left

@@ -122,3 +122,17 @@ def test_a_failed_stage_ends_the_group_with_its_error_and_the_others_stop_waitin
     assert time.monotonic() - started < 30  # stage 1 did not wait out its deadline
     for stage in group:
         stage.end("r1")
+
+
+def test_a_chunk_nobody_takes_expires():
+    async def go():
+        inbox = StageInbox(ttl_s=0.05)
+        data = encode_hidden(torch.ones(4))
+        inbox.put_block(chunk_key("gone", 1, 0), data)  # its request ended here before it came
+        await asyncio.sleep(0.1)
+        inbox.put_block(chunk_key("next", 1, 0), data)
+        assert inbox.num_bytes == len(data)
+        with pytest.raises(TransferError):
+            await inbox.take(chunk_key("gone", 1, 0), 0.05, "gone")
+        assert await inbox.take(chunk_key("next", 1, 0), 1, "next") == data
+    asyncio.run(go())
