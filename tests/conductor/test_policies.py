@@ -146,3 +146,35 @@ def test_a_cpp_group_is_judged_by_its_pipelines_time():
     assert policy.place(short, cluster([single, group]), now=0.0).prefill_id == "p0"
     policy.cpp = None  # a conductor without CPP judges a group as one instance
     assert policy.place(REQUEST, cluster([single, group]), now=0.0).prefill_id == "p0"
+
+
+def test_a_live_cpp_group_reuses_no_prefix_and_names_its_stages():
+    """A live group (member_ids) computes the whole prompt: a pool prefix does not shorten its time, so an
+    instance that can fetch most of the prompt wins; with nothing cached, the group wins, and the
+    placement names its stages in order, the last as the prefill instance."""
+    from mooncake.conductor.cpp import CppSettings
+    index = PrefixIndex()
+    index.add("cache-0", HASHES[:9])
+    policy = make_placement_policy("kvcache-centric", index, estimators(bandwidth=1e11))
+    policy.cpp = CppSettings(stages=2, threshold_tokens=1024, chunk_tokens=256)
+    views = [PrefillView("p0"), PrefillView("p1"), PrefillView("p0+p1", stages=2, member_ids=("p0", "p1"))]
+    placement = policy.place(REQUEST, cluster(views), now=0.0)
+    assert placement.stage_ids == () and placement.reuse_blocks == 9 and placement.prefill_id in ("p0", "p1")
+    cold = RequestView("r3", num_tokens=10 * BLOCK, block_hashes=tuple(range(300, 310)))
+    placement = policy.place(cold, cluster(views), now=0.0)
+    assert placement.stage_ids == ("p0", "p1") and placement.prefill_id == "p1" and placement.reuse_blocks == 0
+
+
+def test_the_cluster_view_offers_a_group_of_the_least_loaded_instances():
+    from mooncake import messages as msgs
+    from mooncake.conductor.decide import cluster_view
+    from mooncake.conductor.instances import InstanceRegistry
+    registry = InstanceRegistry(heartbeat_timeout_s=1e9)
+    for name in ("p0", "p1", "p2"):
+        registry.register(msgs.Register(instance_id=name, role="prefill", model_id="x", block_size=16,
+                                        kv_dtype="float32"), now=0.0)
+    assert len(cluster_view(registry, {}, 16, 1024, frozenset(), 0.0).prefills) == 3
+    view = cluster_view(registry, {}, 16, 1024, frozenset(), 0.0, group_stages=2)
+    group = view.prefills[-1]
+    assert group.member_ids == ("p0", "p1") and group.stages == 2 and group.instance_id == "p0+p1"
+    assert len(cluster_view(registry, {}, 16, 1024, frozenset(), 0.0, group_stages=4).prefills) == 3  # too few
