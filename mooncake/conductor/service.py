@@ -84,7 +84,8 @@ class Conductor:
         self.max_model_len = min(self.config.engine.max_model_len or max_positions, max_positions)
         self.block_bytes = self._kv_bytes_per_token() * self.block_size
         dtype_bytes = 4 if self.config.engine.kv_dtype == "float32" else 2
-        self.decider.policy.cpp = CppSettings.from_config(self.cfg, self.model.config["hidden_size"] * dtype_bytes)
+        hidden = self.model.config.get("hidden_size")  # an emulated model may not say: the default then
+        self.decider.policy.cpp = CppSettings.from_config(self.cfg, hidden * dtype_bytes if hidden else None)
         self.supervisor = Supervisor(self.name)
         await self.control.start(self.supervisor, self.model.model_id, self.block_size, self.config.engine.kv_dtype)
         self.pool = PoolWatcher(self.config.cache_client.nodes, self.index, self.config.cache_client.timeout_s,
