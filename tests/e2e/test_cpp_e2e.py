@@ -1,14 +1,17 @@
 """CPP over real processes: with conductor.cpp_stages = 2, a prompt over the threshold runs on both prefill
 instances as a two-stage pipeline (activations over TCP between them, each stage's layers to decode), and
-the answer is the one `mooncake generate` gives; a short prompt still goes to one instance."""
+the answer is the one `mooncake generate` gives; a short prompt still goes to one instance; a stage lost
+mid-prompt costs the stream nothing (the request moves to what is left)."""
 
 import json
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from tests.e2e.conftest import make_cluster, post
+from tests.e2e.conftest import make_cluster, metrics, post, wait_for
+from tests.e2e.test_migration import Stream, assert_idle, holders, story, undisturbed
 
 
 @pytest.fixture(scope="module")
@@ -42,3 +45,22 @@ def test_a_long_prompt_runs_on_a_group_and_gives_one_instances_tokens(cluster):
     short = "Short prompt."
     status, reply = post(cluster.url + "/v1/completions", {**body, "prompt": short, "max_tokens": 4})
     assert status == 200 and reply["choices"][0]["token_ids"] == generate(cluster, short, 4)
+
+
+def test_a_stage_lost_mid_prompt_costs_the_stream_nothing(cluster):
+    body = {**story(max_tokens=24), "prompt": story()["prompt"] * 3}  # over the threshold: a group of both
+    moved = metrics(cluster.url).get('mooncake_migrations_total{outcome="moved"}', 0.0)
+    cluster.kill("prefill-1", signal.SIGSTOP)  # the last stage: stage 0 waits on it
+    try:
+        stream = Stream(cluster.url, body)
+        wait_for(lambda: holders(cluster, "prefill") == ["prefill-0", "prefill-1"], 10, "the group holds the request")
+        cluster.kill("prefill-1", signal.SIGKILL)
+        tokens = stream.result()
+        # NOTE: the one prefill instance left cannot form a group, so the request moved to it whole.
+        assert metrics(cluster.url).get('mooncake_migrations_total{outcome="moved"}', 0.0) == moved + 1
+    finally:
+        cluster.kill("prefill-1", signal.SIGKILL)
+        cluster.spawn(cluster.process("prefill-1"))
+    cluster.wait_ready(120)
+    assert tokens == undisturbed(cluster, body)
+    assert_idle(cluster, 10)  # stage 0 let its part go: nothing held anywhere
