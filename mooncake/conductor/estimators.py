@@ -7,14 +7,17 @@ import numpy as np
 
 
 class _OnlineLinearModel:
-    """y = coef . features, seeded with coefficients, then refitted on every sample once there are enough:
-    least squares over the most recent `window` samples, pulled lightly toward the seed (ridge), in
-    constant time per sample. The window's X'X and X'y are running sums (a sample that leaves the window is
+    """y = coef . features, seeded with coefficients, then refitted once there are enough samples, every
+    `SOLVE_EVERY` samples: least squares over the most recent `window` samples, pulled lightly toward the
+    seed (ridge), in constant time per sample. The window's X'X and X'y are running sums (a sample that leaves the window is
     subtracted; they are summed afresh once per window so rounding never builds up), and features are
     divided by typical magnitudes so the 3x3 normal equations stay well conditioned. Coefficients stay
     >= 0 (time never falls as work grows)."""
 
     PRIOR_WEIGHT = 1e-3  # of the seed, against the window's samples: enough to keep the fit well posed
+    # NOTE: the solve is most of a sample's cost, and a decode instance reports every step (the simulator
+    # too): solving on every 8th keeps the fit as fresh as its window needs at an eighth of the cost.
+    SOLVE_EVERY = 8
 
     def __init__(self, coef: list[float], window: int, min_samples: int, scale: list[float]):
         self.coef = [float(c) for c in coef]  # plain floats: a prediction is on the scheduler's hot path
@@ -25,6 +28,7 @@ class _OnlineLinearModel:
         self._xtx = np.zeros((len(coef), len(coef)))
         self._xty = np.zeros(len(coef))
         self._since_resum = 0
+        self._since_solve = 0
 
     def seed(self, coef: list[float]) -> bool:
         """Start from `coef` instead (what an instance says its steps take), unless samples have come."""
@@ -48,7 +52,10 @@ class _OnlineLinearModel:
             self._since_resum = 0
             xs = np.array([x for x, _ in self._samples])
             self._xtx, self._xty = xs.T @ xs, xs.T @ np.array([t for _, t in self._samples])
-        if len(self._samples) >= self.min_samples:
+        self._since_solve += 1
+        if len(self._samples) >= self.min_samples and (self._since_solve >= self.SOLVE_EVERY
+                                                       or len(self._samples) == self.min_samples):
+            self._since_solve = 0
             eye = np.eye(len(self.prior)) * self.PRIOR_WEIGHT
             scaled = np.linalg.solve(self._xtx + eye, self._xty + self.PRIOR_WEIGHT * self.prior)
             self.coef = [max(0.0, float(c)) for c in scaled / self.scale]

@@ -22,6 +22,9 @@ def test_seed_is_used_until_enough_samples():
     model = PrefillTimeModel(0.5, 0.0, 0.0, min_samples=3)
     model.observe(100, 0, 9.0)
     assert model.predict(100) == 0.5
+    model.observe(200, 0, 9.0)
+    model.observe(300, 0, 9.0)
+    assert model.predict(100) == pytest.approx(9.0, rel=0.01)  # fitted as soon as there are enough
 
 
 def test_decode_step_model():
