@@ -113,7 +113,7 @@ def cluster_view_ms(num_prefill: int, num_decode: int, per_instance: int = 16, r
     for i in range(num_prefill * per_instance):
         wire = f"r{i}"
         flight = Flight(wire, [1], SamplingParams(), 0.0, 1e9, wire_id=wire, predicted_prefill_s=1.0,
-                        in_prefill=i % 2 == 0, decode_load=DecodeLoad(0.0, 100.0, 8000))
+                        in_prefill=i % 2 == 0, decode_start_s=10.0)
         flight.legs.append(Leg(wire, f"prefill-{i % num_prefill}", f"decode-{i % num_decode}", 0, 0.0))
         flights[wire] = flight
         registry.get(f"prefill-{i % num_prefill}").request_ids.add(wire)

@@ -11,7 +11,7 @@ from mooncake.conductor.flight import Flight, Rejected, Unavailable
 from mooncake.conductor.instances import InstanceRegistry
 from mooncake.conductor.policies import Estimators, make_placement_policy
 from mooncake.conductor.prefix_index import PrefixIndex
-from mooncake.conductor.view import ClusterView, DecodeView, Placement, PrefillView, RequestView
+from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, Placement, PrefillView, RequestView
 from mooncake.config import ConductorConfig
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class Decider:
 
 def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_size: int, block_bytes: int,
                  pool_nodes: frozenset[str], now: float, avoid: tuple[str, ...] = (),
-                 group_stages: int = 1) -> ClusterView:
+                 group_stages: int = 1, idle_step_s: float = 0.0) -> ClusterView:
     """The live instances with the load of the requests in flight on them, and the live cache nodes as the
     only holders a prefix can be fetched from. Instances in `avoid` are left out while another of their
     role is alive. With `group_stages` > 1 and that many prefill instances, one CPP group more: the
@@ -59,7 +59,11 @@ def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_s
 
     A prefill instance's queue is the predicted prefill time of its requests less what it has done of
     them: it has worked on them since its last hand-off or since the oldest of them arrived, whichever is
-    later (a batched step serves several at once, so the queue drains as a whole)."""
+    later (a batched step serves several at once, so the queue drains as a whole).
+
+    A decode instance's requests decode at its last reported step time (`idle_step_s` before it reported
+    one), each with its current context, those still in prefill from their predicted hand-off or now if
+    that is past (DecodeLoad.ahead: the simulator predicts the same way from the same information)."""
     def live(role):
         instances = registry.alive(role)
         return [i for i in instances if i.instance_id not in avoid] or instances
@@ -79,6 +83,12 @@ def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_s
                                     max(v.queued_prefill_s for v in members), max(v.num_queued for v in members),
                                     stages=group_stages, member_ids=tuple(v.instance_id for v in members)))
     for instance in live("decode"):
-        decodes.append(DecodeView(instance.instance_id, [f.decode_load for r in instance.request_ids
-                                                         if (f := flights.get(r)) is not None]))
+        step_s = instance.step_s or idle_step_s
+        loads = []
+        for r in instance.request_ids:
+            if (f := flights.get(r)) is not None:
+                start_s = max(f.decode_start_s, now) if f.in_prefill else now  # late: all its tokens ahead
+                loads.append(DecodeLoad.ahead(start_s, f.params.max_tokens - len(f.generated),
+                                              len(f.leg_token_ids), step_s))
+        decodes.append(DecodeView(instance.instance_id, loads))
     return ClusterView(prefills, decodes, block_size, block_bytes, fetchable=pool_nodes)

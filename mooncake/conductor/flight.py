@@ -13,7 +13,7 @@ instances, with a new wire id so that late reports of the old leg are told to ca
 import asyncio
 from dataclasses import dataclass, field
 
-from mooncake.conductor.view import DecodeLoad, Placement
+from mooncake.conductor.view import Placement
 from mooncake.errors import MooncakeError
 from mooncake.sampling import SamplingParams, TokenLogprob
 
@@ -90,7 +90,7 @@ class Flight:
     block_hashes: list[int] = field(default_factory=list)  # of this leg's prompt (prompt + generated)
     placement: Placement | None = None
     predicted_prefill_s: float = 0.0
-    decode_load: DecodeLoad | None = None
+    decode_start_s: float = 0.0  # predicted hand-off to decode (the decode view counts it from then)
     in_prefill: bool = True
     is_decode_sent: bool = False  # decode has claimed the leg's KV from its inbox
     holders: set[str] = field(default_factory=set)  # instances that hold this leg

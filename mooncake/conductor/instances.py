@@ -19,6 +19,7 @@ class Instance:
     last_seq: int = 0  # of its last heartbeat
     request_ids: set[str] = field(default_factory=set)  # in flight here
     last_done_s: float = 0.0  # prefill: when it last handed a request off (it works on the rest since)
+    step_s: float = 0.0  # decode: its steps' mean time in its last heartbeat that reported steps (0: none yet)
 
 
 class InstanceRegistry:
@@ -39,6 +40,8 @@ class InstanceRegistry:
             return None
         instance.last_seen_s = now
         instance.load = msg
+        if msg.step_samples:
+            instance.step_s = sum(seconds for _, _, seconds in msg.step_samples) / len(msg.step_samples)
         return instance
 
     def expire(self, now: float) -> list[Instance]:

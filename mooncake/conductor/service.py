@@ -27,7 +27,7 @@ from mooncake.conductor.policies import Estimators
 from mooncake.conductor.pool_watch import PoolWatcher
 from mooncake.conductor.timeline import Timelines
 from mooncake.conductor.prefix_index import PrefixIndex
-from mooncake.conductor.view import DecodeLoad, Placement, RequestView
+from mooncake.conductor.view import Placement, RequestView
 from mooncake.config import MooncakeConfig
 from mooncake.hashing import hash_blocks, make_namespace
 from mooncake.models import resolve_model
@@ -174,7 +174,7 @@ class Conductor:
         cpp = self.decider.policy.cpp
         stages = cpp.stages if cpp is not None and len(tokens) > cpp.threshold_tokens else 1
         cluster = cluster_view(self.registry, self.flights, self.block_size, self.block_bytes, pool_nodes, now,
-                               avoid, group_stages=stages)
+                               avoid, group_stages=stages, idle_step_s=self.estimators.decode_step.predict(1, 0))
         p = self.decider.decide(view, cluster, now, admit)
         self._new_leg(flight, p, now)
         flight.block_hashes, flight.is_decode_sent = hashes, False
@@ -183,8 +183,7 @@ class Conductor:
             flight.predicted_prefill_s = self.decider.policy.prefill_s(view, group, 0)
         else:
             flight.predicted_prefill_s = self.estimators.prefill_time.predict(len(tokens), p.reuse_blocks * self.block_size)
-        start = now + p.ttft_s
-        flight.decode_load = DecodeLoad(start, start + remaining * max(p.tbt_s, 1e-3), len(tokens) + remaining)
+        flight.decode_start_s = now + p.ttft_s
         # NOTE: a request that ends with its first token never reaches decode, so it ships no KV there.
         ships_kv = remaining > 1
         for instance_id in p.stage_ids or (p.prefill_id,):
@@ -333,8 +332,6 @@ class Conductor:
             self.estimators.prefill_time.observe(n, done.num_cached_tokens, done.compute_seconds)
         if p.fetch_from and done.fetched_bytes:
             self.estimators.bandwidth.observe(p.fetch_from, p.prefill_id, done.fetched_bytes, done.fetch_seconds)
-        # NOTE: the decode load was predicted at placement; now the real start is known.
-        flight.decode_load = DecodeLoad(self.clock(), flight.decode_load.finish_s, flight.decode_load.context_tokens)
         remaining = flight.params.max_tokens - len(flight.generated)
         reason = done.finish_reason if done.finish_reason == "stop" or remaining == 1 else None
         return [done.first_token], reason

@@ -32,6 +32,13 @@ class DecodeLoad:
     finish_s: float  # predicted end of decoding
     context_tokens: int
 
+    @classmethod
+    def ahead(cls, start_s: float, remaining_tokens: int, context_tokens: int, step_s: float) -> "DecodeLoad":
+        """What the conductor knows of a request's decoding, the live one and the simulator alike: it
+        decodes from `start_s` for the tokens it has left (max_tokens less those streamed; it may stop
+        sooner) at its instance's current step time, with the context it has now."""
+        return cls(start_s, start_s + remaining_tokens * step_s, context_tokens)
+
 
 @dataclass
 class DecodeView:

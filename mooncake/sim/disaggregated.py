@@ -40,6 +40,7 @@ class _Job:
     fetch_from: str | None
     predicted_s: float  # the conductor's prefill-time estimate, for queue views
     ready_s: float = 0.0  # predicted arrival at decode
+    compute_s: float = 0.0  # its prefill's compute, once started
 
 
 @dataclass
@@ -99,12 +100,15 @@ class DisaggregatedCluster(SimulatedCluster):
                                 len(p.stage_free)) for p in self.prefills.values()]
         decodes = []
         for d in self.decodes.values():
+            # NOTE: what the live conductor knows (decide.cluster_view): the instance's last step time and
+            # each request's current context and tokens left. A trace's output length is what a replay
+            # asks as max_tokens (with ignore_eos), so tokens left here are max_tokens less those streamed.
             step = d.step_s or self.est.decode_step.predict(1, 0)
-            loads = [DecodeLoad(now, now + a.remaining * step, a.context) for a in d.running + d.pending]
+            loads = [DecodeLoad.ahead(now, a.remaining, a.context, step) for a in d.running + d.pending]
             # NOTE: requests due at decode beyond the TTFT SLO cannot change a decision made now; leaving
             # them out keeps an overloaded run (thousands queued for prefill) from going quadratic.
             horizon = now + self.ttft_slo_s
-            loads += [DecodeLoad(j.ready_s, j.ready_s + j.record.output_tokens * step, j.record.input_tokens)
+            loads += [DecodeLoad.ahead(j.ready_s, j.record.output_tokens, j.record.input_tokens, step)
                       for j in d.incoming.values() if j.ready_s <= horizon]
             decodes.append(DecodeView(d.instance_id, loads))
         return ClusterView(prefills, decodes, block_size=self.cfg.block_tokens, block_bytes=self.block_bytes)
@@ -156,13 +160,14 @@ class DisaggregatedCluster(SimulatedCluster):
         if holder is not None and holder.pool is not None:  # blocks may have gone since placement
             fetched = max(0, min(job.reuse_blocks, holder.pool.prefix_len(job.hashes)) - local)
         reused = min((local + fetched) * self.cfg.block_tokens, n - 1)
-        self.prefill_gpu_s += self.cost.prefill_s(n, reused)
+        job.compute_s = compute_s = self.cost.prefill_s(n, reused)
+        self.prefill_gpu_s += compute_s
         job.record.cached_tokens = reused
         x = len(p.stage_free)
         # NOTE: a CPP group's stages each read their 1/X of the fetched blocks' layers, in parallel.
         start = now + self.cost.transfer_s(fetched * self.block_bytes / x)
         if x == 1:
-            ends = [start + self.cost.prefill_s(n, reused)]
+            ends = [start + compute_s]
         else:
             ends = pipelined_prefill_s(self.cpp, self.cost.prefill_s, n, reused, self.cost.network_bytes_per_s,
                                        [max(start, f) for f in p.stage_free])
@@ -178,6 +183,8 @@ class DisaggregatedCluster(SimulatedCluster):
         added, evicted = p.pool.insert(job.hashes)  # new blocks, and fetched ones: a local replica
         self.index.add(p.instance_id, added)
         self.index.remove(p.instance_id, evicted)
+        if len(p.stage_free) == 1:  # refit as the live conductor does on PrefillDone (not from a CPP group)
+            self.est.prefill_time.observe(job.record.input_tokens, job.record.cached_tokens, job.compute_s)
         decode = self.decodes[job.decode_id]
         decode.incoming.pop(job.record.request_id, None)
         if job.record.output_tokens > 1:
@@ -214,7 +221,9 @@ class DisaggregatedCluster(SimulatedCluster):
             d.stepping = False
             return
         d.stepping = True
-        d.step_s = self.cost.decode_step_s(len(d.running), sum(a.context for a in d.running))
+        context = sum(a.context for a in d.running)
+        d.step_s = self.cost.decode_step_s(len(d.running), context)
+        self.est.decode_step.observe(len(d.running), context, d.step_s)  # as the live one from heartbeats
         self.loop.at(self.loop.now + d.step_s, self._step_done, d)
 
     def _step_done(self, d: _Decode) -> None:

@@ -32,3 +32,31 @@ def test_the_queue_credits_the_time_already_spent_on_it():
     registry.get("prefill-0").last_done_s = 18.0  # it handed another request off at 18 s: working on these since
     assert queue_at(registry, flights, 20.0) == pytest.approx(33.0)
     assert queue_at(registry, flights, 100.0) == 0.0  # overdue: nothing predicted is left
+
+
+def test_decode_load_is_current_context_at_the_instances_last_step_time():
+    """A decoding request counts with the context it has now, until its tokens left run out at the step
+    time the instance last reported; one still in prefill counts from its predicted hand-off, or from now
+    once that is past."""
+    registry = InstanceRegistry(heartbeat_timeout_s=1e9)
+    registry.register(m.Register(instance_id="decode-0", role="decode", model_id="x", block_size=16,
+                                 kv_dtype="float32"), now=0.0)
+    decoding = Flight("a", list(range(100)), SamplingParams(max_tokens=50), admitted_s=0.0, deadline_s=1e9,
+                      wire_id="a", in_prefill=False, generated=list(range(10)))
+    waiting = Flight("b", list(range(300)), SamplingParams(max_tokens=20), admitted_s=0.0, deadline_s=1e9,
+                     wire_id="b", decode_start_s=12.0)
+    flights = {"a": decoding, "b": waiting}
+    registry.get("decode-0").request_ids.update(flights)
+
+    def batch_at(t, now=10.0):
+        view = cluster_view(registry, flights, 16, 1024, frozenset(), now, idle_step_s=0.5)
+        return view.decodes[0].batch_at(t)
+
+    # no step reported yet: the idle step time, 0.5 s; 40 tokens left from now, 20 from the hand-off
+    assert batch_at(11.0) == (1, 110) and batch_at(12.0) == (2, 410) and batch_at(21.9) == (2, 410)
+    assert batch_at(22.1) == (1, 110) and batch_at(29.9) == (1, 110) and batch_at(30.1) == (0, 0)
+    registry.heartbeat(m.Heartbeat(instance_id="decode-0", step_samples=[[1, 110, 0.1], [1, 111, 0.3]]), now=10.0)
+    assert batch_at(15.9) == (2, 410) and batch_at(16.1) == (1, 110) and batch_at(18.1) == (0, 0)  # at 0.2 s
+    assert batch_at(16.9, now=13.0) == (2, 410) and batch_at(17.1, now=13.0) == (1, 110)  # a late hand-off
+    decoding.generated += list(range(20))  # at 20 s, 20 tokens later: 20 left, a longer context; b still late
+    assert batch_at(23.9, now=20.0) == (2, 430) and batch_at(24.1, now=20.0) == (0, 0)
