@@ -9,10 +9,10 @@ import numpy as np
 class _OnlineLinearModel:
     """y = coef . features, seeded with coefficients, then refitted once there are enough samples, every
     `SOLVE_EVERY` samples: least squares over the most recent `window` samples, pulled lightly toward the
-    seed (ridge), in constant time per sample. The window's X'X and X'y are running sums (a sample that leaves the window is
-    subtracted; they are summed afresh once per window so rounding never builds up), and features are
-    divided by typical magnitudes so the 3x3 normal equations stay well conditioned. Coefficients stay
-    >= 0 (time never falls as work grows)."""
+    seed (ridge), in constant time per sample. The window's X'X and X'y are running sums (a sample that
+    leaves the window is subtracted; they are summed afresh once per window so rounding never builds up),
+    and features are divided by typical magnitudes so the 3x3 normal equations stay well conditioned.
+    Coefficients stay >= 0 (time never falls as work grows)."""
 
     PRIOR_WEIGHT = 1e-3  # of the seed, against the window's samples: enough to keep the fit well posed
     # NOTE: the solve is most of a sample's cost, and a decode instance reports every step (the simulator

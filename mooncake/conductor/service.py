@@ -182,7 +182,8 @@ class Conductor:
             group = next(v for v in cluster.prefills if v.member_ids == p.stage_ids)
             flight.predicted_prefill_s = self.decider.policy.prefill_s(view, group, 0)
         else:
-            flight.predicted_prefill_s = self.estimators.prefill_time.predict(len(tokens), p.reuse_blocks * self.block_size)
+            reused = p.reuse_blocks * self.block_size
+            flight.predicted_prefill_s = self.estimators.prefill_time.predict(len(tokens), reused)
         flight.decode_start_s = now + p.ttft_s
         # NOTE: a request that ends with its first token never reaches decode, so it ships no KV there.
         ships_kv = remaining > 1
