@@ -289,9 +289,10 @@ class LLMEngine:
         self.pool.acquire([block for block, _ in blocks])
         return blocks
 
-    def export_blocks(self, blocks: list[tuple[int, int]], layer: int | None = None) -> list[KVPayload]:
-        """Payloads of pinned blocks (`pin_blocks`); safe on any thread while the engine steps."""
-        return [self.kv_cache.export_block(block, block_hash, self.namespace, layer) for block, block_hash in blocks]
+    def export_blocks(self, blocks: list[tuple[int, int]], layer: int | None = None, after=None) -> list[KVPayload]:
+        """Payloads of pinned blocks (`pin_blocks`); safe on any thread while the engine steps. `after`: what
+        the copy waits for on a device (`PagedKVCache.mark_written`)."""
+        return self.kv_cache.export_blocks(blocks, self.namespace, layer, after)
 
     def num_full_blocks(self, request_id: str) -> int:
         """How many leading blocks of the request are full and computed (exportable)."""

@@ -144,8 +144,9 @@ class PipelineStage:
         """This stage's layers of the prompt's full computed blocks: a payload per block and layer."""
         job, engine = self.jobs[request_id], self.engine
         full = min(job.done // engine.block_size, len(job.hashes))
-        return [engine.kv_cache.export_block(job.blocks[i], job.hashes[i], engine.namespace, layer)
-                for i in range(full) for layer in self.layers]
+        blocks = list(zip(job.blocks[:full], job.hashes[:full]))
+        by_layer = [engine.export_blocks(blocks, layer) for layer in self.layers]
+        return [by_layer[k][i] for i in range(full) for k in range(len(self.layers))]
 
     def first_token(self, request_id: str, logits: torch.Tensor,
                     params: SamplingParams) -> tuple[int, TokenLogprob | None, str | None]:

@@ -2,7 +2,8 @@
 heartbeats, control messages). The engine is touched only between steps: callers queue changes with
 `call()`, which the loop applies before the next step. A second thread moves KV bytes while steps run:
 `add_request_with_kv` verifies and copies imported blocks there, and `export_kv` copies and checksums
-blocks out of the cache there, so neither stalls a step nor the event loop."""
+blocks out of the cache there (on a GPU, on a side stream: `PagedKVCache.export_blocks`), so neither
+stalls a step nor the event loop."""
 
 import asyncio
 import logging
@@ -120,8 +121,9 @@ class EngineLoop:
                 self._kv_executor.submit(lambda: None).add_done_callback(
                     lambda _: loop.call_soon_threadsafe(self._queue, engine.pool.release, blocks))
                 return
+            written = engine.kv_cache.mark_written()  # on a GPU the layer is only queued: copy after it
             exported = self._kv_executor.submit(
-                lambda: [encode(engine.export_blocks(f.blocks, layer)) for f in filled])
+                lambda: [encode(engine.export_blocks(f.blocks, layer, written)) for f in filled])
             loop.call_soon_threadsafe(lambda: deliver(layer, filled, asyncio.wrap_future(exported), ready_at))
 
         engine.layer_sink = sink

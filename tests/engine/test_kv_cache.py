@@ -20,3 +20,53 @@ def test_an_exported_block_is_a_copy_that_round_trips_and_outlives_changes_to_th
     assert torch.equal(cache.kv[:, :, block * 4:(block + 1) * 4], before)
     one_layer = cache.export_block(block, block_hash=7, namespace=b"ns", layer=1)
     assert one_layer.shape == cache.block_shape(1) and one_layer.layer == 1
+
+
+@pytest.mark.parametrize("layer", [None, 0, 2])
+def test_exporting_many_blocks_at_once_gives_each_block_its_own_bytes_as_a_copy(layer):
+    """A batch export (one gather for a layer, a copy per block for all layers) of scattered blocks in any
+    order: each payload holds exactly its block's KV, checks out, and outlives a change to the cache."""
+    cache = PagedKVCache(KVSpec(num_layers=3, num_kv_heads=2, head_dim=4), 8, block_size=4,
+                         dtype=torch.float32, device=torch.device("cpu"))
+    cache.kv.copy_(torch.randn(cache.kv.shape))
+    blocks = [(6, 60), (1, 10), (3, 30)]
+    expected = [cache.export_block(block, block_hash, b"ns", layer) for block, block_hash in blocks]
+    for block, _ in blocks:  # what the cache holds, read straight from the tensor
+        whole = cache.kv[:, :, block * 4:(block + 1) * 4]
+        want = (whole if layer is None else whole[layer]).contiguous().numpy().tobytes()
+        assert bytes(expected[blocks.index((block, _))].data) == want
+    payloads = cache.export_blocks(blocks, b"ns", layer)
+    cache.kv.zero_()
+    assert [p.block_hash for p in payloads] == [60, 10, 30]
+    for payload, single in zip(payloads, expected):
+        payload.verify(namespace=b"ns", dtype="float32", shape=cache.block_shape(layer))
+        assert (payload.layer, payload.checksum, bytes(payload.data)) == (layer, single.checksum, bytes(single.data))
+    assert cache.export_blocks([], b"ns", layer) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_layer_export_copies_on_its_side_stream_after_the_write_it_waits_for():
+    """The engine thread queues a long computation, then writes a block, and marks the write; another
+    thread exports the block after that mark, on the cache's side stream into pinned memory: it gets the
+    written values (not those before the write), while the computing stream is left alone."""
+    import threading
+
+    device = torch.device("cuda")
+    cache = PagedKVCache(KVSpec(num_layers=2, num_kv_heads=2, head_dim=64), 16, block_size=16,
+                         dtype=torch.float32, device=device)
+    big = torch.randn(2048, 2048, device=device)
+    for _ in range(50):  # the default stream stays busy for a while
+        big = (big @ big).clamp_(-1, 1)
+    cache.kv[1, :, 5 * 16:6 * 16].fill_(7.0)  # queued behind the matmuls
+    written = cache.mark_written()
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(p=cache.export_blocks([(5, 55)], b"ns", 1, written)))
+    worker.start()
+    worker.join(timeout=60)
+    payload = out["p"][0]
+    values = torch.frombuffer(bytearray(payload.data), dtype=torch.float32)
+    assert bool((values == 7.0).all())
+    payload.verify(namespace=b"ns", dtype="float32", shape=cache.block_shape(1))
+    assert cache._copy_stream is not None and cache._copy_stream != torch.cuda.default_stream(device)
+    whole = cache.export_blocks([(5, 55)], b"ns")[0]  # no mark: after everything queued so far
+    assert bytes(whole.data)[len(whole.data) // 2:] == bytes(payload.data)
