@@ -10,9 +10,9 @@ Two measurements, same prompts:
   layers (mooncake/engine/stage.py), each with a transport of its own (`--transport`, TCP by default), the
   chunks' hidden states sent to the next stage's inbox over it (mooncake/prefill/stage_link.py), the
   modelled time waited out at `--speedup`; with X = 1, one engine's own chunked prefill is the baseline.
-  The emulated hidden states are small (a digest per token), so the activations' modelled transfer time
-  (which the simulator charges) is not charged here. Times are scaled back
-  to the modelled hardware (x speedup).
+  The emulated hidden states are small (a digest per token); each hop also waits the modelled
+  activations' transfer time, as the simulator charges it. Times are scaled back to the modelled hardware
+  (x speedup).
 
 Prints, per prompt length, TTFT and speedup over one instance for X = 1, 2, 4, and writes JSON:
 `sim.<tokens>.<X>` and `emulated.<tokens>.<X>` in seconds, and `speedup.<source>.<tokens>.<X>`."""

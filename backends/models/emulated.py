@@ -59,6 +59,11 @@ class EmulatedRunner(ModelRunner):
         """The modelled KV of `num_tokens` over the modelled node's network (the real bytes are small)."""
         return self.cost.transfer_s(self.cost.kv_bytes(num_tokens)) / self.speedup
 
+    def activation_seconds(self, num_tokens: int) -> float:
+        """The modelled hidden states of `num_tokens` over the modelled network, as the simulator charges a
+        CPP stage boundary (the real ones are a digest per token)."""
+        return self.cost.transfer_s(num_tokens * self.cost.activation_bytes_per_token) / self.speedup
+
     def step_seconds(self, batch: ForwardBatch) -> float:
         """The step's time on the emulated hardware: decode reads the weights once and every batched
         sequence's KV; each prefill chunk costs Eq. 1 over its context less what was computed before."""

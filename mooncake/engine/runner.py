@@ -79,6 +79,11 @@ class ModelRunner(ABC):
         emulated runner's KV is smaller than the KV it models. 0 for a real runner."""
         return 0.0
 
+    def activation_seconds(self, num_tokens: int) -> float:
+        """Time that handing `num_tokens`' hidden states to the next CPP stage costs beyond moving the real
+        bytes (an emulated runner's are smaller than those it models). 0 for a real runner."""
+        return 0.0
+
     @classmethod
     def from_engine_config(cls, model_dir, device: torch.device, dtype: torch.dtype, config) -> "ModelRunner":
         """This backend for an engine of `config` (an EngineConfig); backends with settings of their own

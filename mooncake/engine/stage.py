@@ -140,6 +140,11 @@ class PipelineStage:
             logits_indices=torch.tensor([end - start - 1] if end == len(job.prompt) else [], dtype=torch.long,
                                         device=device))
 
+    def hop_s(self, num_tokens: int) -> float:
+        """What handing `num_tokens`' hidden states to the next stage costs beyond the real transfer (an
+        emulated model's modelled activations; 0 for a real model)."""
+        return self.engine.runner.activation_seconds(num_tokens)
+
     def export(self, request_id: str) -> list[KVPayload]:
         """This stage's layers of the prompt's full computed blocks: a payload per block and layer."""
         job, engine = self.jobs[request_id], self.engine

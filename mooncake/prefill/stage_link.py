@@ -5,8 +5,8 @@ Each stage's transport serves a `StageInbox`. A chunk's hidden states (`engine/s
 which carries its own check) are sent to the next stage's inbox under `chunk_key(request, stage, chunk)`,
 self-checked, so no transport hashes them again; the receiving stage waits for that key with a deadline,
 and `decode_hidden` verifies them. `run_stage` is one stage's whole part in a prompt: it receives chunk j,
-computes it on its engine's thread (`compute`), sends the result on, and takes chunk j + 1, so a stage
-computes while its neighbours send and compute."""
+computes it on its engine's thread (`compute`), starts sending the result on, and takes chunk j + 1, so a
+stage computes while its neighbours send and compute."""
 
 import asyncio
 import struct
@@ -99,25 +99,48 @@ async def run_stage(stage: PipelineStage, index: int, request_id: str, chunk_siz
     """Stage `index`'s part in a prompt already `begin`-ed on it: every chunk through its layers, the
     hidden states sent to `next_peer`'s inbox (none after the last stage). Returns the last stage's logits
     of the prompt's last token, None on other stages. `deadline` (time.monotonic) bounds every wait; a
-    failed or late transfer raises TransferError naming the peer and the request."""
+    failed or late transfer raises TransferError naming the peer and the request.
+
+    A chunk's send runs while the stage computes the next chunk, as a pipeline's stage hands on and goes
+    on; with an emulated model it also waits the activations' modelled transfer time first (`hop_s`), as
+    the simulator charges it (`cost.pipeline_ends`)."""
     logits = None
-    for j, size in enumerate(chunk_sizes):
-        what = f"request {request_id} stage {index} chunk {j}"
-        hidden = None
-        if index > 0:
-            data = await inbox.take(chunk_key(request_id, index, j), time_left(deadline, what), what)
-            hidden = decode_hidden(data, stage.engine.device)
-        out = await compute(stage.run, request_id, size, hidden)
-        if next_peer is None:
-            logits = out
-            continue
-        payload = await asyncio.to_thread(encode_hidden, out)
-        result = await transport.send(next_peer, [(chunk_key(request_id, index + 1, j), payload)],
-                                      time_left(deadline, what), request_id=request_id, self_checked=True)
-        if not result.ok:
-            raise TransferError(f"{what}: stage {index + 1} at {next_peer} refused the hidden states "
-                                f"({result.blocks[0].error})")
+    sends: list[asyncio.Task] = []
+    try:
+        for j, size in enumerate(chunk_sizes):
+            what = f"request {request_id} stage {index} chunk {j}"
+            hidden = None
+            if index > 0:
+                data = await inbox.take(chunk_key(request_id, index, j), time_left(deadline, what), what)
+                hidden = decode_hidden(data, stage.engine.device)
+            out = await compute(stage.run, request_id, size, hidden)
+            if next_peer is None:
+                logits = out
+                continue
+            payload = await asyncio.to_thread(encode_hidden, out)
+            sends.append(asyncio.ensure_future(_send_on(transport, next_peer, request_id, index, j, payload,
+                                                        stage.hop_s(size), deadline)))
+            for done in (t for t in sends if t.done()):
+                done.result()  # a failed send ends the stage now, not after its last chunk
+        await asyncio.gather(*sends)
+    finally:
+        for send in sends:
+            send.cancel()
     return logits
+
+
+async def _send_on(transport: Transport, peer: str, request_id: str, index: int, chunk: int, payload,
+                   hop_s: float, deadline: float) -> None:
+    what = f"request {request_id} stage {index} chunk {chunk}"
+    if hop_s:
+        await asyncio.sleep(hop_s)  # an emulated model's hidden states are smaller than those it models
+    # NOTE: a transfer id per chunk: several of a stage's sends may be in flight at once.
+    result = await transport.send(peer, [(chunk_key(request_id, index + 1, chunk), payload)],
+                                  time_left(deadline, what), request_id=f"{request_id}/s{index}/c{chunk}",
+                                  self_checked=True)
+    if not result.ok:
+        raise TransferError(f"{what}: stage {index + 1} at {peer} refused the hidden states "
+                            f"({result.blocks[0].error})")
 
 
 def time_left(deadline: float, what: str) -> float:

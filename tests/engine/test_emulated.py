@@ -91,3 +91,15 @@ def test_moving_kv_costs_the_modelled_bytes_over_the_modelled_network(cfg):
     cost = engine.runner.cost
     assert engine.runner.transfer_seconds(1000) == pytest.approx(1000 * cost.kv_bytes_per_token
                                                                  / cost.network_bytes_per_s / cfg.emulation_speedup)
+
+
+def test_a_cpp_hop_costs_what_the_simulator_charges_a_stage_boundary(cfg):
+    from mooncake.conductor.cpp import CppSettings
+    from mooncake.engine.stage import PipelineStage
+
+    engine = LLMEngine(cfg)
+    cost = engine.runner.cost
+    sim = CppSettings(2, 0, 2048, cost.activation_bytes_per_token)  # as mooncake/sim/disaggregated.py makes it
+    stage = PipelineStage(engine, range(0, engine.runner.kv_spec.num_layers // 2))
+    assert stage.hop_s(2048) > 0
+    assert stage.hop_s(2048) == pytest.approx(sim.hop_s(2048, cost.network_bytes_per_s) / cfg.emulation_speedup)

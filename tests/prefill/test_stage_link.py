@@ -55,6 +55,42 @@ def test_stages_over_a_transport_give_one_engines_first_token(cfg, name, stages)
     assert int(logits.argmax()) == alone.token_ids[0]
 
 
+def test_a_stage_computes_on_while_its_sends_are_on_their_way_each_after_its_hop_time(cfg):
+    """A stage starts its next chunk as soon as it has handed the last one on, not once the next stage
+    has it; each chunk leaves after the stage's hop time (an emulated model's modelled activations)."""
+    engine = LLMEngine(cfg)
+    stage = PipelineStage(engine, range(0, 1))
+    stage.begin("r5", list(range(1, 25)))
+    stage.hop_s = lambda num_tokens: 1.0
+    computed, arrived = [], []
+
+    async def compute(fn, *args):
+        out = await asyncio.to_thread(fn, *args)
+        computed.append(time.monotonic())
+        return out
+
+    async def go():
+        receiver, sender = make_transport("inproc"), make_transport("inproc")
+        inbox = StageInbox()
+        put = inbox.put_block
+        inbox.put_block = lambda key, data, checksum=None: arrived.append(time.monotonic()) or put(key, data, checksum)
+        address = await receiver.start(inbox)
+        await sender.start()
+        try:
+            await run_stage(stage, 0, "r5", [8, 8, 8], compute, None, sender, address, time.monotonic() + 30)
+        finally:
+            await sender.stop()
+            await receiver.stop()
+        return inbox
+
+    inbox = asyncio.run(go())
+    stage.end("r5")
+    assert len(computed) == len(arrived) == 3
+    assert computed[2] < arrived[0]  # all three computed while the first was still on its way
+    assert all(a - c >= 1.0 for c, a in zip(computed, arrived))
+    assert len(inbox._chunks) == 3
+
+
 def test_a_stage_that_hears_nothing_fails_by_its_deadline(cfg):
     engine = LLMEngine(cfg)
     stage = PipelineStage(engine, range(1, engine.runner.kv_spec.num_layers))
