@@ -137,6 +137,35 @@ def test_a_self_checked_block_is_neither_hashed_nor_verified_in_transit(name, mo
     asyncio.run(run())
 
 
+def small_payloads():
+    """Many small blocks in one transfer (layer slices of a small model)."""
+    rng = random.Random(2)
+    return [(100 + k, rng.randbytes(size)) for k, size in enumerate([1, 2, 24576, 65535] + [24576] * 28)]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_many_small_blocks_round_trip_each_as_its_own_bytes_and_a_flipped_one_is_caught(name):
+    async def run():
+        blocks = small_payloads()
+        server, client, service, address = await pair(name, client_tamper=flip_byte_of(103),
+                                                      service=KeepingService())
+        try:
+            sent = await client.send(address, blocks, timeout_s=10)
+            assert [b.key for b in sent.blocks if not b.ok] == [103]
+            assert "checksum" in next(b.error for b in sent.blocks if not b.ok)
+            assert all(bytes(service.blocks[k]) == d for k, d in blocks if k != 103) and 103 not in service.blocks
+            got = await client.fetch(address, [k for k, _ in blocks], timeout_s=10)
+            assert [bytes(b.data) for b in got.blocks if b.ok] == [d for k, d in blocks if k != 103]
+            again = await client.send(address, [(k + 1000, os.urandom(len(d))) for k, d in blocks], timeout_s=10,
+                                      self_checked=True)
+            assert again.ok  # and what the service kept of the first put is unchanged by the second
+            assert all(bytes(service.blocks[k]) == d for k, d in blocks if k != 103)
+        finally:
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())
+
+
 def dead_address(name):
     if name == "inproc":
         return "inproc://nobody"
