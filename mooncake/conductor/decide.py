@@ -89,6 +89,6 @@ def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_s
             if (f := flights.get(r)) is not None:
                 start_s = max(f.decode_start_s, now) if f.in_prefill else now  # late: all its tokens ahead
                 loads.append(DecodeLoad.ahead(start_s, f.params.max_tokens - len(f.generated),
-                                              len(f.leg_token_ids), step_s))
+                                              f.num_leg_tokens, step_s))
         decodes.append(DecodeView(instance.instance_id, loads))
     return ClusterView(prefills, decodes, block_size, block_bytes, fetchable=pool_nodes)

@@ -120,6 +120,11 @@ class Flight:
         """The prompt of the current leg: the request's prompt and every token already streamed."""
         return self.prompt_token_ids + self.generated
 
+    @property
+    def num_leg_tokens(self) -> int:
+        """len(leg_token_ids), without building it (every decision reads it for every request in flight)."""
+        return len(self.prompt_token_ids) + len(self.generated)
+
 
 def wire_sampling(params: SamplingParams, max_tokens: int | None = None) -> dict:
     """The sampling fields instances need; stop strings stay here (the conductor matches them on text)."""

@@ -317,7 +317,7 @@ class Conductor:
         leg.prefill_done_s, leg.fetch_s, leg.compute_s, leg.kv_transfer_s = (
             self.clock(), done.fetch_seconds, done.compute_seconds, done.kv_seconds)
         leg.queue_s = max(0.0, done.prefill_seconds - done.compute_seconds - done.fetch_seconds)
-        n = len(flight.leg_token_ids)
+        n = flight.num_leg_tokens
         if flight.num_legs == 1:
             flight.num_cached_tokens = done.num_cached_tokens
             self.metrics.prompt_tokens.inc(n)
