@@ -200,7 +200,8 @@ def test_a_cut_link_moves_its_streams_to_another_host_and_the_cluster_recovers(c
     assert cluster.migrations() == moved + 1
     # Nothing restarted: the cut instances rejoin, and every decode instance serves again.
     cluster.wait_ready(60)
-    served = {cluster.completion(f"{uuid.uuid4().hex} after the cut", max_tokens=2)["choices"][0]["finish_reason"]
-              for _ in range(4)}
+    # NOTE: ignore_eos: a model may end a short reply by itself, which says nothing of the cluster.
+    served = {cluster.completion(f"{uuid.uuid4().hex} after the cut", max_tokens=2,
+                                 ignore_eos=True)["choices"][0]["finish_reason"] for _ in range(4)}
     assert served == {"length"}
     assert all(proc.poll() is None for _, _, proc in cluster.procs)
