@@ -12,6 +12,7 @@ from typing import Any
 from mooncake.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+PREFILL_BATCHING = ("auto", "serial", "budget")
 
 
 def resolve_dtype(dtype: str, device: str, cpu_flags: set[str] | None = None) -> str:
@@ -48,6 +49,12 @@ class EngineConfig:
     prefill_chunk: int = 512  # tokens of one sequence's prefill computed per step
     max_num_batched_tokens: int = 2048  # per-step token budget (decode tokens + prefill chunks)
     max_num_seqs: int = 64  # sequences running at once
+    # "budget": a step fills its token budget with chunks of several prompts (vLLM-style; a prompt's last
+    # chunk is topped up with the next one's tokens); "serial": a step computes at most one prompt's chunk,
+    # first come first served, so no prompt's first token waits for a later prompt's tokens (the paper's
+    # prefill instances, and the queue the conductor predicts); "auto": serial on a prefill instance,
+    # budget elsewhere. Decode tokens batch either way.
+    prefill_batching: str = "auto"
     enable_prefix_cache: bool = True
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
@@ -65,6 +72,8 @@ class EngineConfig:
         for key in ("block_size", "prefill_chunk", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes"):
             _check(getattr(self, key) > 0, f"engine.{key}", "must be > 0")
         _check(self.emulation_speedup > 0, "engine.emulation_speedup", "must be > 0")
+        _check(self.prefill_batching in PREFILL_BATCHING, "engine.prefill_batching",
+               f"must be one of {', '.join(PREFILL_BATCHING)}, got {self.prefill_batching!r}")
         for key in ("num_kv_blocks", "max_model_len", "num_threads"):
             _check(getattr(self, key) >= 0, f"engine.{key}", "must be >= 0")
         _check(self.max_num_batched_tokens >= self.max_num_seqs, "engine.max_num_batched_tokens",

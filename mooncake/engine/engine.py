@@ -91,7 +91,8 @@ class LLMEngine:
             num_blocks = max(1, config.kv_cache_bytes // self.runner.kv_spec.block_bytes(self.block_size, self.dtype))
         self.kv_cache = PagedKVCache(self.runner.kv_spec, num_blocks, self.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks)
-        self.scheduler = Scheduler(config, self.pool)
+        # NOTE: "auto" is resolved by the instance's role (instance/worker.py); a bare engine batches.
+        self.scheduler = Scheduler(config, self.pool, serial_prefill=config.prefill_batching == "serial")
         self.seqs: dict[str, Sequence] = {}
         self._importing: set[str] = set()  # request ids between begin_import and finish/cancel_import
         # Layer-wise KV streaming (a prefill instance's engine loop sets it): each step that fills blocks of
@@ -103,8 +104,9 @@ class LLMEngine:
         # step (nothing of it may leave before); else ready_at is None (ready now).
         self.layer_sink: Callable[[int | None, list[FilledBlocks], float | None], None] | None = None
         self._tokenizer = None
-        log.info("engine ready: model %s (%s), %d KV blocks of %d tokens on %s/%s",
-                 config.model, self.model.model_id, num_blocks, self.block_size, self.device, config.kv_dtype)
+        log.info("engine ready: model %s (%s), %d KV blocks of %d tokens on %s/%s, %s prefill",
+                 config.model, self.model.model_id, num_blocks, self.block_size, self.device, config.kv_dtype,
+                 "serial" if self.scheduler.serial_prefill else "budget-batched")
 
     @property
     def tokenizer(self):

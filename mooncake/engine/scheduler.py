@@ -1,10 +1,11 @@
 """Continuous batching: each step picks which sequences compute how many tokens, under a token budget.
 
 Running sequences go first (a decoding one takes 1 token, one still in prefill a chunk), then waiting
-sequences are admitted in arrival order while budget, sequence slots and free blocks last. On admission
-a sequence reuses the longest run of its leading blocks found in the local prefix cache. When blocks run
-out, the newest running sequence is preempted: its blocks are freed (they stay findable by hash) and it
-is recomputed later."""
+sequences are admitted in arrival order while budget, sequence slots and free blocks last. With serial
+prefill (`engine.prefill_batching`) a step holds at most one prompt's chunk, the earliest's, so a
+prompt's first token never waits for a later prompt's tokens. On admission a sequence reuses the longest
+run of its leading blocks found in the local prefix cache. When blocks run out, the newest running
+sequence is preempted: its blocks are freed (they stay findable by hash) and it is recomputed later."""
 
 from collections import deque
 
@@ -15,12 +16,13 @@ from mooncake.engine.sequence import Sequence, SeqStatus
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool):
+    def __init__(self, config: EngineConfig, pool: BlockPool, serial_prefill: bool = False):
         self.block_size = config.block_size
         self.prefill_chunk = config.prefill_chunk
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.enable_prefix_cache = config.enable_prefix_cache
+        self.serial_prefill = serial_prefill
         self.pool = pool
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -34,6 +36,8 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
+        # NOTE: serial prefill admits a prompt only when none is running, so one at most is running.
+        prefilling = False  # a prompt's chunk is in this step
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -47,8 +51,10 @@ class Scheduler:
                 continue
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            prefilling = prefilling or _prefilling(seq)
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and not (self.serial_prefill and prefilling)):
             seq = self.waiting[0]
             if not seq.block_table and self.enable_prefix_cache:
                 self._reuse_prefix(seq)
@@ -61,6 +67,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            prefilling = True
         return scheduled
 
     def on_computed(self, scheduled: list[ScheduledSeq]) -> None:
@@ -121,3 +128,8 @@ class Scheduler:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+
+
+def _prefilling(seq: Sequence) -> bool:
+    """Whether `seq` still computes its prompt (or recomputes after preemption), not one decode token."""
+    return seq.num_uncomputed_tokens > 1 or not seq.output_token_ids

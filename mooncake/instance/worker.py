@@ -2,12 +2,13 @@
 link to the conductor, the heartbeat with its load, and start/stop in order."""
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
 
 from mooncake import messages as m
-from mooncake.config import MooncakeConfig
+from mooncake.config import EngineConfig, MooncakeConfig
 from mooncake.engine import LLMEngine
 from mooncake.instance.engine_loop import EngineLoop
 from mooncake.instance.link import ConductorLink
@@ -18,6 +19,7 @@ log = logging.getLogger(__name__)
 
 class Worker:
     role = ""
+    prefill_batching = "budget"  # what engine.prefill_batching = "auto" means for this role
 
     def __init__(self, config: MooncakeConfig):
         self.config = config
@@ -40,7 +42,7 @@ class Worker:
     async def start(self) -> None:
         # NOTE: loading weights takes seconds; do it off the event loop's thread all the same.
         self.supervisor = Supervisor(self.name)
-        self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
+        self.engine = await asyncio.to_thread(LLMEngine, self.engine_config())
         self.loop = EngineLoop(self.engine, self.on_outputs, self.on_failed)
         await self.start_role()
         prefill_coef, decode_coef = self.engine.runner.time_coefficients() or ([], [])
@@ -55,6 +57,13 @@ class Worker:
         await self.link.start()
         log.info("%s ready: model %s, %d KV blocks, conductor %s", self.name, self.config.engine.model,
                  self.engine.pool.num_blocks, self.config.instance.conductor_address)
+
+    def engine_config(self) -> EngineConfig:
+        """The configured engine, with `prefill_batching = "auto"` made this role's choice."""
+        engine = self.config.engine
+        if engine.prefill_batching == "auto":
+            engine = dataclasses.replace(engine, prefill_batching=self.prefill_batching)
+        return engine
 
     async def stop(self) -> None:
         if self.link is not None:

@@ -49,6 +49,7 @@ class _Job:
 
 class PrefillWorker(Worker):
     role = "prefill"
+    prefill_batching = "serial"  # one prompt at a time: the queue the conductor predicts (Algorithm 1)
 
     def __init__(self, config):
         super().__init__(config)

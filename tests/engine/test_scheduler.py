@@ -5,9 +5,9 @@ from mooncake.engine.scheduler import Scheduler
 from mooncake.engine.sequence import Sequence, SeqStatus
 
 
-def make(num_blocks=64, **overrides):
+def make(num_blocks=64, serial_prefill=False, **overrides):
     cfg = EngineConfig(block_size=4, prefill_chunk=8, max_num_batched_tokens=12, max_num_seqs=3, **overrides)
-    return Scheduler(cfg, BlockPool(num_blocks))
+    return Scheduler(cfg, BlockPool(num_blocks), serial_prefill)
 
 
 def seq(name, n):
@@ -32,6 +32,31 @@ def test_prefill_is_chunked_and_budget_respected():
     assert run_step(sched) == {"a": 8, "b": 4}
     assert run_step(sched) == {"a": 4, "b": 8}  # a finishes its prompt; b gets the rest of the budget
     assert run_step(sched) == {"a": 1, "b": 4}  # a decodes, b completes its prompt
+
+
+def test_serial_prefill_runs_one_prompt_at_a_time_and_never_tops_up_a_last_chunk():
+    sched = make(serial_prefill=True)
+    sched.add(seq("a", 20))
+    sched.add(seq("b", 20))
+    assert run_step(sched) == {"a": 8}
+    assert run_step(sched) == {"a": 8}
+    assert run_step(sched) == {"a": 4}  # a's first token does not wait for any of b's tokens
+    assert run_step(sched) == {"a": 1, "b": 8}  # decode tokens still batch beside the next prompt
+    sched.add(seq("c", 3))
+    assert run_step(sched) == {"a": 1, "b": 8}  # c waits for b, the earlier prompt
+    assert run_step(sched) == {"a": 1, "b": 4}
+    assert run_step(sched) == {"a": 1, "b": 1, "c": 3}
+
+
+def test_serial_prefill_recomputes_a_preempted_sequence_alone():
+    sched = make(num_blocks=4, serial_prefill=True)
+    a, b = seq("a", 7), seq("b", 7)
+    sched.add(a)
+    sched.add(b)
+    assert run_step(sched) == {"a": 7}
+    assert run_step(sched) == {"a": 1, "b": 7}  # 2 blocks each: the pool is full
+    assert run_step(sched) == {"a": 1}  # a's 9th token needs a third block: b, the newest, is preempted
+    assert b.num_preemptions == 1 and b.status is SeqStatus.WAITING
 
 
 def test_new_requests_join_running_decodes():
@@ -81,3 +106,16 @@ def test_prefix_reuse_skips_cached_blocks_but_not_the_last_token():
     # Both blocks are cached, but logits need one computed token: only block 0 is reused.
     assert run_step(sched) == {"b": 4}
     assert again.num_cached_tokens == 4
+
+
+def test_auto_prefill_batching_is_serial_on_prefill_instances_only():
+    from mooncake.config import load_config
+    from mooncake.decode.worker import DecodeWorker
+    from mooncake.prefill.worker import PrefillWorker
+
+    auto = load_config(None)
+    assert auto.engine.prefill_batching == "auto"
+    assert PrefillWorker(auto).engine_config().prefill_batching == "serial"
+    assert DecodeWorker(auto).engine_config().prefill_batching == "budget"  # decode and colocated instances
+    chosen = load_config(None, {"engine.prefill_batching": "budget"})
+    assert PrefillWorker(chosen).engine_config().prefill_batching == "budget"
