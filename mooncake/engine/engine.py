@@ -79,6 +79,9 @@ class LLMEngine:
         runner_cls = load_backend("models", self.model.config["model_type"])
         self.runner = runner_cls.from_engine_config(self.model.path, self.device, self.dtype, config)
         self.last_modelled_s: float | None = None  # the last step's emulated time; None: not emulated, or no batch
+        # ... and when that step ended on the emulated device: its start plus its modelled time, or later if
+        # the host took longer; the time.sleep() that waits for it and the hand-back may overshoot
+        self.modelled_end = 0.0
         self.block_size = config.block_size
         self.namespace = make_namespace(self.model.model_id, self.block_size, config.kv_dtype)
         self.max_model_len = min(config.max_model_len or self.runner.max_position_embeddings,
@@ -198,8 +201,9 @@ class LLMEngine:
     def step(self, since: float | None = None) -> list[RequestOutput]:
         """Schedule, run and sample one batch. With an emulated runner the step lasts the time it models,
         counted from `since` (a `time.perf_counter()`; default: now): an engine loop running steps back to
-        back passes the previous step's end, so what it does between steps counts against that time as
-        it would overlap the device's work on real hardware."""
+        back passes the previous step's `modelled_end`, so what it does between steps counts against that
+        time as it would overlap the device's work on real hardware, and a step the host ended late (a
+        sleep's overshoot, a thread's wake-up) shortens the next instead of delaying every later one."""
         started = time.perf_counter() if since is None else since
         self.last_modelled_s = None
         scheduled = self.scheduler.schedule()
@@ -217,8 +221,11 @@ class LLMEngine:
             tokens = sample(logits, sampled)
             outputs = self._postprocess(sampled, tokens, logprobs_of(logits, sampled, tokens))
             self.last_modelled_s = self.runner.modelled_step_s
-            if self.last_modelled_s and (wait := self.last_modelled_s - (time.perf_counter() - started)) > 0:
-                time.sleep(wait)  # on the engine thread, as a device step would hold it
+            if self.last_modelled_s:
+                now = time.perf_counter()
+                self.modelled_end = max(now, started + self.last_modelled_s)
+                if self.modelled_end > now:
+                    time.sleep(self.modelled_end - now)  # on the engine thread, as a device step would hold it
         finally:
             if filled:
                 sink(None, filled, None)

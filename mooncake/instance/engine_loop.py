@@ -158,11 +158,15 @@ class EngineLoop:
                 await self.on_failed(request_ids, f"engine step failed: {exc}")
                 previous_end = None
                 continue
-            previous_end = time.perf_counter()
+            ended = time.perf_counter()
             # NOTE: what the step cost its requests: from the previous step's end when back to back.
-            seconds = self.last_step_s = previous_end - since
+            seconds = self.last_step_s = ended - since
+            previous_end = ended
             if modelled := self.engine.last_modelled_s:
                 self.emulated_steps.append((modelled, seconds))
+                # NOTE: the emulated device's clock: lateness of this box (scheduling, wake-ups) is made up
+                # by the next step, not carried by every later one, as a GPU runs queued steps back to back.
+                previous_end = min(ended, self.engine.modelled_end)
             if outputs:
                 context = sum(len(s.prompt_token_ids) + len(s.output_token_ids)
                               for o in outputs if (s := self.engine.seqs.get(o.request_id)) is not None)

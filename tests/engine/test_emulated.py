@@ -103,3 +103,47 @@ def test_a_cpp_hop_costs_what_the_simulator_charges_a_stage_boundary(cfg):
     stage = PipelineStage(engine, range(0, engine.runner.kv_spec.num_layers // 2))
     assert stage.hop_s(2048) > 0
     assert stage.hop_s(2048) == pytest.approx(sim.hop_s(2048, cost.network_bytes_per_s) / cfg.emulation_speedup)
+
+
+def test_back_to_back_steps_keep_the_emulated_devices_clock_when_the_host_hands_back_late(cfg):
+    """Each step of a busy engine loop starts at the previous one's modelled end, however late the event
+    loop took the previous one back, so the box's lateness does not add up over a queue of steps."""
+    import asyncio
+    import time
+
+    from mooncake.instance.engine_loop import EngineLoop
+
+    engine = LLMEngine(dataclasses.replace(cfg, emulation_speedup=10))  # decode steps of ~2 ms
+    steps = []  # (since, modelled_end, handed back at) per step
+    real_step = engine.step
+
+    def step(since=None):
+        outputs = real_step(since)
+        steps.append((since, engine.modelled_end, time.perf_counter()))
+        return outputs
+
+    engine.step = step
+
+    async def on_outputs(outputs):
+        time.sleep(0.004)  # the loop is busy with something else when the next step ends
+
+    async def on_failed(request_ids, error):
+        raise AssertionError(error)
+
+    async def main():
+        loop = EngineLoop(engine, on_outputs, on_failed)
+        loop.start()
+        try:
+            await loop.call(engine.add_request, list(range(5, 60)), SamplingParams(max_tokens=20, ignore_eos=True))
+            while engine.has_unfinished():
+                await asyncio.sleep(0.01)
+        finally:
+            await loop.stop()
+
+    asyncio.run(main())
+    assert len(steps) >= 20
+    assert all(s[2] >= s[1] for s in steps)  # the sleep never ends a step early
+    back_to_back = [(prev, cur) for prev, cur in zip(steps, steps[1:]) if cur[0] is not None and cur[0] > prev[0]]
+    assert len(back_to_back) >= 15
+    for prev, cur in back_to_back:
+        assert cur[0] == prev[1]  # not the later time at which the loop took the previous step back
