@@ -60,6 +60,7 @@ class PrefillWorker(Worker):
         self._snapshot: list[int] | None = None  # the whole prefix cache, for the next heartbeat
         self._snapshot_task: asyncio.Task | None = None
         self.stages: PrefillStages | None = None  # its part in CPP groups (stages.py)
+        self._last_entry: asyncio.Future | None = None  # the latest request's entry into the engine
 
     async def start_role(self) -> None:
         # NOTE: read once here: the runner belongs to the engine thread (an emulated one models this).
@@ -143,11 +144,17 @@ class PrefillWorker(Worker):
     async def _admit(self, msg: m.Prefill) -> None:
         job = _Job(msg, time.perf_counter())
         self.jobs[msg.request_id] = job
+        # NOTE: with serial prefill, requests enter the engine in the order they came, as the conductor
+        # predicts this queue: one that reads the pool first is not overtaken by a later one meanwhile.
+        entered = asyncio.get_running_loop().create_future()
+        previous, self._last_entry = self._last_entry, entered
         try:
             params = SamplingParams(**{**msg.sampling, "max_tokens": 1, "stop": ()})
             payloads = await self._read_pool(job)
+            if previous is not None and self.engine.scheduler.serial_prefill:
+                await asyncio.shield(previous)  # NOTE: it always ends: each admission sets it when done
             if msg.request_id not in self.jobs:
-                return  # cancelled while reading the pool
+                return  # cancelled while reading the pool or waiting its turn
             if payloads:  # verified and copied in while other requests keep stepping
                 kept = await self.loop.add_request_with_kv(msg.token_ids, params, msg.request_id, payloads, True)
                 if msg.request_id not in self.jobs:  # cancelled while its blocks were copied in
@@ -162,6 +169,8 @@ class PrefillWorker(Worker):
         except MooncakeError as exc:
             self.jobs.pop(msg.request_id, None)
             await self.report_failure(msg.request_id, str(exc))
+        finally:
+            entered.set_result(None)
 
     async def _read_pool(self, job: _Job) -> list[KVPayload]:
         """The blocks the conductor said to reuse that this instance does not hold, from the cache pool."""
