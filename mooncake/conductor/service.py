@@ -183,7 +183,9 @@ class Conductor:
             flight.predicted_prefill_s = self.decider.policy.prefill_s(view, group, 0)
         else:
             reused = p.reuse_blocks * self.block_size
-            flight.predicted_prefill_s = self.estimators.prefill_time.predict(len(tokens), reused)
+            # NOTE: its pool read holds the instance's queue too (requests enter its engine in order), as the
+            # simulator charges it.
+            flight.predicted_prefill_s = self.estimators.prefill_time.predict(len(tokens), reused) + p.transfer_s
         flight.decode_start_s = now + p.ttft_s
         # NOTE: a request that ends with its first token never reaches decode, so it ships no KV there.
         ships_kv = remaining > 1
