@@ -5,8 +5,8 @@ hardware's timings (issue 14's scale question).
 For each configuration (xPyD at a speedup), replays the trace's first N requests open-loop through the
 live API of an emulated LLaMA3-70B Mooncake cluster (as scripts/bench_goodput.py does) and reads back,
 from the conductor's mooncake_emulated_step_ratio histogram, each role's measured over modelled step time
-(a step runs from the previous step's end when they run back to back, so handling outputs counts). A configuration keeps pace when both
-roles' mean ratio stays within 5% of the model. Also prints the conductor's CPU time per request and the
+(a step runs from the previous step's modelled end when they run back to back, so handling outputs
+counts). A configuration keeps pace when both roles' mean ratio stays within 5% of the model. Also prints the conductor's CPU time per request and the
 share of the box's CPUs every role used. The figures of a configuration that does not keep pace are the
 box's, not the design's: compare goodput with the simulator only where it does.
 

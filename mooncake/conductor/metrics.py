@@ -40,8 +40,8 @@ class ConductorMetrics:
                                         "measured mean time between tokens, per request", buckets=RATIO_BUCKETS,
                                         registry=r)
         self.emulated_step = Histogram("mooncake_emulated_step_ratio", "An emulated instance's measured over "
-                                       "modelled step time (from the previous step's end when they run back to "
-                                       "back): above 1, this box falls behind the emulated hardware",
+                                       "modelled step time (from the previous step's modelled end when they run "
+                                       "back to back): above 1, this box falls behind the emulated hardware",
                                        ["role"], buckets=STEP_RATIO_BUCKETS, registry=r)
         self.slo = Counter("mooncake_slo_requests", "Finished requests by whether they met both SLOs (TTFT, and "
                            "TBT as the mean of a request's slowest 10% of gaps): goodput", ["within_slo"],

@@ -34,9 +34,9 @@ class EngineLoop:
         # (batch size, context tokens, seconds) of recent steps, for the conductor's step-time model
         self.step_samples: deque[tuple[int, int, float]] = deque(maxlen=256)
         self.last_step_s = 0.0
-        # An emulated runner's (modelled, measured) seconds per step, measured from the previous step's end
-        # when they run back to back (the outputs' handling between them included), else from its start:
-        # how far this box keeps the emulated pace.
+        # An emulated runner's (modelled, measured) seconds per step, measured from the previous step's
+        # modelled end when they run back to back (the outputs' handling between them included), else from
+        # its start, to when the loop has its outputs: how far this box keeps the emulated pace.
         self.emulated_steps: deque[tuple[float, float]] = deque(maxlen=1024)
 
     def start(self) -> None:
@@ -159,7 +159,7 @@ class EngineLoop:
                 previous_end = None
                 continue
             ended = time.perf_counter()
-            # NOTE: what the step cost its requests: from the previous step's end when back to back.
+            # NOTE: what the step cost its requests: from the previous step's (modelled) end when back to back.
             seconds = self.last_step_s = ended - since
             previous_end = ended
             if modelled := self.engine.last_modelled_s:
