@@ -38,14 +38,20 @@ def prefill(request_id: str, reuse_blocks: int) -> m.Prefill:
                      decode_id="decode-0", decode_transport="tcp", decode_address="", reuse_blocks=reuse_blocks)
 
 
+def make_worker(serial: bool) -> PrefillWorker:
+    """A prefill worker up to its engine: an engine with no prefix cached, entries recorded, a slow pool."""
+    worker = PrefillWorker(load_config(None))
+    worker.engine = SimpleNamespace(scheduler=SimpleNamespace(serial_prefill=serial),
+                                    pool=SimpleNamespace(match_prefix=lambda hashes: []), add_request=None)
+    worker.loop, worker.cache, worker.transfer_s_per_block = RecordingLoop(), SlowPool(), 0.0
+    return worker
+
+
 @pytest.mark.parametrize("serial, expected", [(True, ["reads-the-pool", "reads-nothing"]),
                                               (False, ["reads-nothing", "reads-the-pool"])])
 def test_a_request_reading_the_pool_keeps_its_place_only_under_serial_prefill(serial, expected):
     async def main():
-        worker = PrefillWorker(load_config(None))
-        worker.engine = SimpleNamespace(scheduler=SimpleNamespace(serial_prefill=serial),
-                                        pool=SimpleNamespace(match_prefix=lambda hashes: []), add_request=None)
-        worker.loop, worker.cache, worker.transfer_s_per_block = RecordingLoop(), SlowPool(), 0.0
+        worker = make_worker(serial)
         first = asyncio.create_task(worker._admit(prefill("reads-the-pool", reuse_blocks=2)))
         second = asyncio.create_task(worker._admit(prefill("reads-nothing", reuse_blocks=0)))
         await asyncio.sleep(0.05)
@@ -59,10 +65,7 @@ def test_a_request_reading_the_pool_keeps_its_place_only_under_serial_prefill(se
 
 def test_a_request_dropped_while_reading_the_pool_lets_the_next_one_in():
     async def main():
-        worker = PrefillWorker(load_config(None))
-        worker.engine = SimpleNamespace(scheduler=SimpleNamespace(serial_prefill=True),
-                                        pool=SimpleNamespace(match_prefix=lambda hashes: []), add_request=None)
-        worker.loop, worker.cache, worker.transfer_s_per_block = RecordingLoop(), SlowPool(), 0.0
+        worker = make_worker(serial=True)
         first = asyncio.create_task(worker._admit(prefill("dropped", reuse_blocks=2)))
         second = asyncio.create_task(worker._admit(prefill("next", reuse_blocks=0)))
         await asyncio.sleep(0.05)
