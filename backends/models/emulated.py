@@ -96,6 +96,8 @@ class EmulatedRunner(ModelRunner):
                              f"{num_layers} layers")
         if (hidden is None) != (layers.start == 0):
             raise ModelError("a stage takes the previous stage's hidden states, and only the first stage none")
+        if kv.shape[0] != len(layers):
+            raise ModelError(f"a stage of {len(layers)} layers was given a cache of {kv.shape[0]}")
         self.last_modelled_s = self.step_seconds(batch) * len(layers) / num_layers
         self.modelled_step_s = self.last_modelled_s / self.speedup
         self._write_kv(batch, kv, layers)
@@ -108,13 +110,15 @@ class EmulatedRunner(ModelRunner):
         return self._logits(batch, kv, hidden[batch.logits_indices].tolist())
 
     def _write_kv(self, batch: ForwardBatch, kv: torch.Tensor, layers: range | None = None) -> None:
-        """Each new token's KV: small integers from its id and position, different per layer and K|V."""
+        """Each new token's KV: small integers from its id and position, different per layer and K|V. kv[i]
+        is layer layers.start + i (a stage's cache), default all layers."""
         base = (batch.input_ids * 31 + batch.positions * 7) % KV_MODULUS
         shape = (len(base), self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
-        for layer in layers or range(self.kv_spec.num_layers):
+        layers = layers or range(self.kv_spec.num_layers)
+        for layer in layers:
             for which in (0, 1):
                 values = ((base + 2 * layer + which) % KV_MODULUS).to(kv.dtype)
-                kv[layer, which].index_copy_(0, batch.slot_mapping, values[:, None, None].expand(shape))
+                kv[layer - layers.start, which].index_copy_(0, batch.slot_mapping, values[:, None, None].expand(shape))
 
     def _digests(self, batch: ForwardBatch, kv: torch.Tensor) -> list[int]:
         """Per token of the flat batch that is sampled: the sum of layer 0's K over its whole context, read

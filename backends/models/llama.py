@@ -84,12 +84,15 @@ class LlamaRunner(ModelRunner):
                              f"{self.num_layers} layers")
         if (hidden is None) != (layers.start == 0):
             raise ModelError("a stage takes the previous stage's hidden states, and only the first stage none")
+        if kv.shape[0] != len(layers):
+            raise ModelError(f"a stage of {len(layers)} layers was given a cache of {kv.shape[0]}")
         return self._run(batch, kv, layers, hidden, None)
 
     def _run(self, batch: ForwardBatch, kv: torch.Tensor, layers: range, hidden: torch.Tensor | None,
              on_layer) -> torch.Tensor:
-        """Layers `layers` over the batch, from the embeddings (hidden None) or the given hidden states;
-        logits at logits_indices after the last layer, else the hidden states after layers.stop - 1."""
+        """Layers `layers` over the batch, from the embeddings (hidden None) or the given hidden states, kv[i]
+        the cache of layer layers.start + i; logits at logits_indices after the last layer, else the hidden
+        states after layers.stop - 1."""
         n = batch.input_ids.shape[0]
         if hidden is None:
             hidden = F.embedding(batch.input_ids, self.embed)
@@ -101,7 +104,7 @@ class LlamaRunner(ModelRunner):
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = _rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
             k = _rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-            kv_layer = kv[layer_id]
+            kv_layer = kv[layer_id - layers.start]
             kv_layer[0].index_copy_(0, batch.slot_mapping, k)
             kv_layer[1].index_copy_(0, batch.slot_mapping, v.view(n, self.num_kv_heads, self.head_dim))
             if on_layer is not None:

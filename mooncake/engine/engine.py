@@ -298,10 +298,12 @@ class LLMEngine:
         self.pool.acquire([block for block, _ in blocks])
         return blocks
 
-    def export_blocks(self, blocks: list[tuple[int, int]], layer: int | None = None, after=None) -> list[KVPayload]:
+    def export_blocks(self, blocks: list[tuple[int, int]], layer: int | None = None, after=None,
+                      view=None) -> list[KVPayload]:
         """Payloads of pinned blocks (`pin_blocks`); safe on any thread while the engine steps. `after`: what
-        the copy waits for on a device (`PagedKVCache.mark_written`)."""
-        return self.kv_cache.export_blocks(blocks, self.namespace, layer, after)
+        the copy waits for on a device (`PagedKVCache.mark_written`); `view`: blocks of a CPP stage's
+        `PagedKVCache.stage_view`."""
+        return self.kv_cache.export_blocks(blocks, self.namespace, layer, after, view)
 
     def num_full_blocks(self, request_id: str) -> int:
         """How many leading blocks of the request are full and computed (exportable)."""

@@ -7,7 +7,11 @@ import move whole blocks (or one layer of them) as `KVPayload`s.
 Export gathers its blocks into one tensor and copies that to host memory once. On CUDA it does so on a
 side stream of its own, into pinned memory, after waiting only for the write it needs (`mark_written`,
 an event the engine thread records as a layer's KV is written): the copy runs on the copy engine while
-later layers compute, and the thread that asked waits for the copy alone."""
+later layers compute, and the thread that asked waits for the copy alone.
+
+A CPP stage computes only its m of the model's L layers, so a whole block would waste (L - m) / L of its
+memory on it. `stage_view(layers)` lends the stage the same memory as a cache of m layers with L // m times
+as many blocks, each inside one of this cache's blocks (`StageView`)."""
 
 from dataclasses import dataclass
 
@@ -32,6 +36,23 @@ class KVSpec:
         return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
+@dataclass(frozen=True)
+class StageView:
+    """The cache's memory as a cache of `layers` only (a CPP stage's, engine/stage.py): `kv` is
+    [len(layers), 2, per_block * slots, kv_heads, head_dim], its [i] layer layers.start + i. Its block
+    j * num_blocks + b (j < per_block) lies inside the cache's block b, so holding the cache's block b holds
+    those per_block stage blocks (`blocks_in`)."""
+
+    kv: torch.Tensor
+    layers: range
+    per_block: int
+    num_blocks: int  # the cache's
+
+    def blocks_in(self, cache_blocks: list[int], count: int) -> list[int]:
+        """`count` stage blocks inside `cache_blocks` (at least ceil(count / per_block) of them), in order."""
+        return [(i % self.per_block) * self.num_blocks + cache_blocks[i // self.per_block] for i in range(count)]
+
+
 class PagedKVCache:
     def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
         self.spec = spec
@@ -50,6 +71,18 @@ class PagedKVCache:
     def _slots(self, block: int) -> slice:
         return slice(block * self.block_size, (block + 1) * self.block_size)
 
+    def stage_view(self, layers: range) -> StageView:
+        """This cache's memory for a stage of `layers` (`StageView`). The flat memory is 2L half-planes (a
+        layer's K or V) of every slot; stage layer i's K|V c of stage block j * num_blocks + b is half-plane
+        (2i + c) * per_block + j at block b's slots, so the view is the first 2 * m * per_block half-planes,
+        reshaped."""
+        spec, m = self.spec, len(layers)
+        per_block = spec.num_layers // m
+        rows = 2 * m * per_block * self.num_blocks * self.block_size
+        kv = self.kv.view(-1, spec.num_kv_heads, spec.head_dim)[:rows]
+        return StageView(kv.view(m, 2, per_block * self.num_blocks * self.block_size, spec.num_kv_heads,
+                                 spec.head_dim), layers, per_block, self.num_blocks)
+
     def mark_written(self):
         """On the thread that writes the cache (the engine's), after a write: what an export of it must
         wait for. On CUDA an event on that thread's current stream (the write is only queued); elsewhere
@@ -64,21 +97,22 @@ class PagedKVCache:
         return self.export_blocks([(block, block_hash)], namespace, layer)[0]
 
     def export_blocks(self, blocks: list[tuple[int, int]], namespace: bytes, layer: int | None = None,
-                      after=None) -> list[KVPayload]:
+                      after=None, view: StageView | None = None) -> list[KVPayload]:
         """Payloads of (block, hash) pairs, all layers or `layer` only, copied to host memory (never an
         alias of the live cache), a checksum each. Safe on any thread while no step writes these blocks.
         On CUDA the copy waits for `after` (`mark_written`), or with none for all work queued on the
-        device's default stream so far."""
+        device's default stream so far. With `view`, the blocks are that stage view's, and `layer` one of
+        its layers."""
         if not blocks:
             return []
         shape = self.block_shape(layer)
+        hosts = self._to_host([block for block, _ in blocks], layer, after, view)
         return [KVPayload(block_hash=block_hash, namespace=namespace, dtype=self.dtype_name, shape=shape,
-                          layer=layer, checksum=checksum(raw), data=raw)
-                for raw, (_, block_hash) in zip(self._to_host([block for block, _ in blocks], layer, after), blocks)]
+                          layer=layer, checksum=checksum(raw), data=raw) for raw, (_, block_hash) in zip(hosts, blocks)]
 
-    def _to_host(self, blocks: list[int], layer: int | None, after) -> list[memoryview]:
+    def _to_host(self, blocks: list[int], layer: int | None, after, view: StageView | None) -> list[memoryview]:
         if self.kv.device.type != "cuda":
-            return self._copy_out(blocks, layer, pinned=False)
+            return self._copy_out(blocks, layer, pinned=False, view=view)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.kv.device)
         stream = self._copy_stream
@@ -87,15 +121,21 @@ class PagedKVCache:
                 stream.wait_event(after)
             else:
                 stream.wait_stream(torch.cuda.default_stream(self.kv.device))
-            hosts = self._copy_out(blocks, layer, pinned=True)
+            hosts = self._copy_out(blocks, layer, pinned=True, view=view)
         stream.synchronize()  # this thread waits for its copies, not for the steps computing meanwhile
         return hosts
 
-    def _copy_out(self, blocks: list[int], layer: int | None, pinned: bool) -> list[memoryview]:
+    def _copy_out(self, blocks: list[int], layer: int | None, pinned: bool,
+                  view: StageView | None = None) -> list[memoryview]:
         """Per block, the bytes of its KV ([layer][k|v][token][kv_head][dim], or [k|v]... for one layer) in
         new host memory, copied on the current stream; asynchronously into pinned memory when `pinned`."""
         spec = self.spec
-        paged = self.kv.view(spec.num_layers, 2, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        kv = self.kv if view is None else view.kv
+        paged = kv.view(kv.shape[0], 2, -1, self.block_size, spec.num_kv_heads, spec.head_dim)
+        if view is not None:
+            if layer not in view.layers:
+                raise ValueError(f"layer {layer} is not one of the stage's {view.layers}")
+            layer -= view.layers.start
         if layer is None:  # NOTE: a copy per block: one pass over large blocks (a gather then a permute is two)
             hosts = []
             for block in blocks:

@@ -93,7 +93,8 @@ class ModelRunner(ABC):
     def forward_stage(self, batch: ForwardBatch, kv: torch.Tensor, layers: range,
                       hidden: torch.Tensor | None) -> torch.Tensor:
         """One stage of chunked pipeline parallelism (CPP, mooncake/engine/stage.py): compute only layers
-        `layers` (a contiguous range) of the batch, writing only their KV, from the previous stage's
+        `layers` (a contiguous range) of the batch, writing only their KV into `kv`, the stage's cache
+        ([len(layers), 2, slots, kv_heads, head_dim]: kv[i] is layer layers.start + i), from the previous stage's
         `hidden` states ([num_tokens, ...], as the previous stage returned them; None for the first
         stage, which embeds input_ids). Returns the hidden states after layers.stop - 1 for the next stage,
         or, when layers.stop is the last layer, float32 logits as `forward` does. An emulated runner

@@ -7,8 +7,10 @@ stage from the token embeddings, each later one from the hidden states the stage
 ending in the logits of the prompt's last token, from which the first token is sampled. So only
 activations cross stages, and a stage starts chunk j + 1 while the next stage computes chunk j.
 
-A stage holds the prompt's blocks in its engine's paged cache with only its layers written: they are
-never registered in the prefix cache (another request must not match them) and are freed by `end`.
+A stage keeps the prompt's KV in its engine's cache seen as a cache of its layers alone
+(`PagedKVCache.stage_view`): a stage of m of the model's L layers fits L // m of its blocks in one of the
+engine's, so a group holds a prompt about X times as long as one instance does. Those blocks are never
+registered in the prefix cache (another request must not match them) and are freed by `end`.
 `export` gives its layers of the prompt's full blocks, one payload per layer, as layer-wise streaming
 sends them, so decode assembles a block from the X stages' layers. A stage's chunk runs as a forward of
 its own (`run`), on the engine's thread between its steps: it is never batched with other requests,
@@ -77,7 +79,8 @@ def decode_hidden(buf: bytes | memoryview, device: torch.device | str = "cpu") -
 @dataclass
 class _Job:
     prompt: list[int]
-    blocks: list[int]
+    held: list[int]  # the engine's blocks, held for the prompt
+    blocks: list[int]  # the prompt's blocks in the stage view, inside `held`
     hashes: list[int]
     done: int = 0  # tokens computed
 
@@ -93,6 +96,7 @@ class PipelineStage:
                                       f"{num_layers}")
         self.engine, self.layers = engine, layers
         self.first, self.last = layers.start == 0, layers.stop == num_layers
+        self.view = engine.kv_cache.stage_view(layers)
         self.jobs: dict[str, _Job] = {}
 
     def begin(self, request_id: str, prompt_token_ids: list[int]) -> None:
@@ -102,10 +106,11 @@ class PipelineStage:
             raise InvalidRequestError(f"request id {request_id!r} is already in this stage")
         if not 0 < n < engine.max_model_len:
             raise InvalidRequestError(f"the prompt has {n} tokens; the context length is {engine.max_model_len}")
-        blocks = engine.pool.allocate(-(-n // engine.block_size))
-        if blocks is None:
+        num_blocks = -(-n // engine.block_size)
+        held = engine.pool.allocate(-(-num_blocks // self.view.per_block))
+        if held is None:
             raise InvalidRequestError(f"no room in this stage's KV cache for a {n}-token prompt")
-        self.jobs[request_id] = _Job(list(prompt_token_ids), blocks,
+        self.jobs[request_id] = _Job(list(prompt_token_ids), held, self.view.blocks_in(held, num_blocks),
                                      hash_blocks(prompt_token_ids, engine.block_size, engine.namespace))
 
     def run(self, request_id: str, num_tokens: int, hidden: torch.Tensor | None) -> torch.Tensor:
@@ -119,7 +124,7 @@ class PipelineStage:
         started = time.perf_counter()
         runner = self.engine.runner
         batch = self._batch(job, start, end)
-        out = runner.forward_stage(batch, self.engine.kv_cache.kv, self.layers, hidden)
+        out = runner.forward_stage(batch, self.view.kv, self.layers, hidden)
         job.done = end
         if runner.models_time and (wait := (runner.modelled_step_s or 0.0) - (time.perf_counter() - started)) > 0:
             time.sleep(wait)
@@ -150,7 +155,7 @@ class PipelineStage:
         job, engine = self.jobs[request_id], self.engine
         full = min(job.done // engine.block_size, len(job.hashes))
         blocks = list(zip(job.blocks[:full], job.hashes[:full]))
-        by_layer = [engine.export_blocks(blocks, layer) for layer in self.layers]
+        by_layer = [engine.export_blocks(blocks, layer, view=self.view) for layer in self.layers]
         return [by_layer[k][i] for i in range(full) for k in range(len(self.layers))]
 
     def first_token(self, request_id: str, logits: torch.Tensor,
@@ -173,7 +178,7 @@ class PipelineStage:
         """Free the prompt's blocks; unknown ids are ignored."""
         job = self.jobs.pop(request_id, None)
         if job is not None:
-            self.engine.pool.release(job.blocks)
+            self.engine.pool.release(job.held)
 
 
 

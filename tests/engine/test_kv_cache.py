@@ -44,6 +44,34 @@ def test_exporting_many_blocks_at_once_gives_each_block_its_own_bytes_as_a_copy(
     assert cache.export_blocks([], b"ns", layer) == []
 
 
+@pytest.mark.parametrize("num_layers, layers", [(8, range(0, 4)), (8, range(5, 8)), (7, range(2, 4)), (3, range(0, 3))])
+def test_a_stage_view_packs_its_blocks_inside_the_caches_blocks_it_holds(num_layers, layers):
+    """A CPP stage of m layers sees the cache as L // m times as many blocks of its layers: writing all of
+    the stage blocks inside cache block b changes block b's memory and nothing else; no two stage blocks
+    share memory; and a stage block's layer exports as exactly what was written there."""
+    cache = PagedKVCache(KVSpec(num_layers=num_layers, num_kv_heads=2, head_dim=4), 5, block_size=4,
+                         dtype=torch.float32, device=torch.device("cpu"))
+    view = cache.stage_view(layers)
+    assert view.per_block == num_layers // len(layers)
+    assert view.kv.shape == (len(layers), 2, view.per_block * 5 * 4, 2, 4)
+    assert view.kv.data_ptr() == cache.kv.data_ptr()  # the same memory, not a copy
+    inside = view.blocks_in([3], view.per_block)
+    assert len(set(view.blocks_in([3, 1], 2 * view.per_block))) == 2 * view.per_block
+    paged = view.kv.view(len(layers), 2, -1, 4, 2, 4)
+    for n, block in enumerate(inside):
+        paged[:, :, block] = n + 1.0
+    changed = (cache.kv != 0).view(num_layers, 2, 5, 4, 2, 4).any(dim=(0, 1, 3, 4, 5))
+    assert changed.tolist() == [b == 3 for b in range(5)]
+    assert int((cache.kv != 0).sum()) == view.per_block * len(layers) * 2 * 4 * 2 * 4  # no overlap
+    for n, block in enumerate(inside):
+        (payload,) = cache.export_blocks([(block, 100 + n)], b"ns", layers.stop - 1, view=view)
+        payload.verify(namespace=b"ns", dtype="float32", shape=cache.block_shape(0))
+        assert payload.layer == layers.stop - 1
+        assert bool((torch.frombuffer(bytearray(payload.data), dtype=torch.float32) == n + 1.0).all())
+    with pytest.raises(ValueError, match="not one of the stage's"):
+        cache.export_blocks([(inside[0], 1)], b"ns", layers.start - 1 if layers.start else layers.stop, view=view)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_a_layer_export_copies_on_its_side_stream_after_the_write_it_waits_for():
     """The engine thread queues a long computation, then writes a block, and marks the write; another

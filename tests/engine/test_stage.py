@@ -3,6 +3,8 @@ and 3 engines, chunks flowing through them with only hidden states (as bytes) cr
 token one engine gives, and the stages' layers of the KV, imported by a decode engine, continue the
 stream token for token as one engine does. On the tiny model, the emulated one and the real SmolLM2."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -78,6 +80,33 @@ def test_a_pipeline_gives_one_engines_tokens(cfg, single, stages):
     out = decode.pop_completion(rid)
     assert out.num_cached_tokens == (len(ids) - 1) // cfg.block_size * cfg.block_size  # the stages' KV was used
     assert out.token_ids == alone.token_ids
+
+
+def test_a_group_runs_a_prompt_too_long_for_one_engines_cache(cfg, single):
+    """A stage keeps only its layers, several of its blocks in one of its engine's: two stages, each
+    with a cache too small for the prompt on one engine, give one engine's first token, and their KV
+    continues the stream on decode token for token."""
+    ids = prompt(single, 150)  # 10 blocks of 16
+    (alone,) = single.generate([ids], GREEDY)
+    small = dataclasses.replace(cfg, num_kv_blocks=6)
+    with pytest.raises(InvalidRequestError, match="needs 10 KV blocks"):
+        LLMEngine(small).add_request(ids, GREEDY)
+    num_layers = single.runner.kv_spec.num_layers
+    group = [PipelineStage(LLMEngine(small), layers) for layers in stage_layers(num_layers, 2)]
+    logits = run_local_pipeline(group, "r1", ids, chunk_tokens=cfg.prefill_chunk)
+    assert int(logits.argmax()) == alone.token_ids[0]
+    for stage in group:
+        assert stage.engine.pool.num_free == 6 - -(-10 // stage.view.per_block)
+    payloads = [p for stage in group for p in stage.export("r1")]
+    for stage in group:
+        stage.end("r1")
+        assert stage.engine.pool.num_free == 6
+    decode = LLMEngine(cfg)
+    rid = decode.add_request(ids, GREEDY, kv_payloads=[type(p).from_bytes(p.to_bytes()) for p in payloads])
+    while decode.has_unfinished():
+        decode.step()
+    out = decode.pop_completion(rid)
+    assert out.num_cached_tokens == 9 * cfg.block_size and out.token_ids == alone.token_ids
 
 
 def test_a_stage_refuses_what_it_cannot_run(cfg, single):
