@@ -83,6 +83,7 @@ class _Job:
     blocks: list[int]  # the prompt's blocks in the stage view, inside `held`
     hashes: list[int]
     done: int = 0  # tokens computed
+    modelled_end: float = 0.0  # an emulated model's: when its last chunk ended on the modelled device
 
 
 class PipelineStage:
@@ -113,22 +114,36 @@ class PipelineStage:
         self.jobs[request_id] = _Job(list(prompt_token_ids), held, self.view.blocks_in(held, num_blocks),
                                      hash_blocks(prompt_token_ids, engine.block_size, engine.namespace))
 
-    def run(self, request_id: str, num_tokens: int, hidden: torch.Tensor | None) -> torch.Tensor:
+    def run(self, request_id: str, num_tokens: int, hidden: torch.Tensor | None,
+            since: float | None = None) -> torch.Tensor:
         """The next `num_tokens` of the prompt through this stage's layers: the hidden states for the next
         stage, or, on the last stage, the logits of the prompt's last token ([1, vocab], after its last
-        chunk; [0, vocab] before). An emulated runner's modelled time is waited out here."""
+        chunk; [0, vocab] before). An emulated runner's modelled time is waited out here, counted from
+        `since` (a time.perf_counter(); default now): a caller whose next chunk was ready when the last one
+        ended passes that one's `modelled_end`, so the host's lateness shortens this chunk, as a device
+        running chunks back to back would, instead of adding up over the prompt (as `LLMEngine.step`)."""
         job = self.jobs[request_id]
         start, end = job.done, min(job.done + num_tokens, len(job.prompt))
         if end <= start:
             raise InvalidRequestError(f"request {request_id!r}: the whole prompt has been through this stage")
-        started = time.perf_counter()
+        # NOTE: not before the engine's own last step ended on the device (a stage shares its engine's).
+        started = time.perf_counter() if since is None else max(since, self.engine.modelled_end)
         runner = self.engine.runner
         batch = self._batch(job, start, end)
         out = runner.forward_stage(batch, self.view.kv, self.layers, hidden)
         job.done = end
-        if runner.models_time and (wait := (runner.modelled_step_s or 0.0) - (time.perf_counter() - started)) > 0:
-            time.sleep(wait)
+        if runner.models_time:
+            now = time.perf_counter()
+            job.modelled_end = max(now, started + (runner.modelled_step_s or 0.0))
+            if job.modelled_end > now:
+                time.sleep(job.modelled_end - now)
         return out
+
+    def modelled_end(self, request_id: str) -> float | None:
+        """When the request's last chunk here ended on an emulated device (see `run`); None when no chunk
+        of it ran on one."""
+        job = self.jobs.get(request_id)
+        return job.modelled_end if job is not None and job.modelled_end else None
 
     def _batch(self, job: _Job, start: int, end: int) -> ForwardBatch:
         device, size = self.engine.device, self.engine.block_size

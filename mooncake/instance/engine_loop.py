@@ -1,6 +1,7 @@
 """Runs an LLMEngine's steps on one worker thread so the event loop stays free for I/O (KV transfers,
 heartbeats, control messages). The engine is touched only between steps: callers queue changes with
-`call()`, which the loop applies before the next step. A second thread moves KV bytes while steps run:
+`call()`, which the loop applies before the next step, or long work with `call_on_engine_thread()`, which
+it runs on the engine's thread between steps (a CPP stage's chunk), so the event loop stays free meanwhile. A second thread moves KV bytes while steps run:
 `add_request_with_kv` verifies and copies imported blocks there, and `export_kv` copies and checksums
 blocks out of the cache there (on a GPU, on a side stream: `PagedKVCache.export_blocks`), so neither
 stalls a step nor the event loop."""
@@ -28,7 +29,7 @@ class EngineLoop:
         self.on_failed = on_failed
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._kv_executor = ThreadPoolExecutor(1, thread_name_prefix="kv-copy")
-        self._calls: deque[tuple[Callable, asyncio.Future]] = deque()
+        self._calls: deque[tuple[Callable, asyncio.Future, bool]] = deque()  # (fn, its result, on the engine thread)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         # (batch size, context tokens, seconds) of recent steps, for the conductor's step-time model
@@ -54,9 +55,14 @@ class EngineLoop:
         """Run `fn(*args)` against the engine between two steps; returns its result (or raises)."""
         return await self._queue(fn, *args)
 
-    def _queue(self, fn: Callable, *args) -> asyncio.Future:
+    async def call_on_engine_thread(self, fn: Callable, *args):
+        """`call()` for long work (a forward of its own): run on the engine's thread between two steps,
+        so the event loop serves I/O meanwhile. The next step starts after it, as on a device."""
+        return await self._queue(fn, *args, on_engine_thread=True)
+
+    def _queue(self, fn: Callable, *args, on_engine_thread: bool = False) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
-        self._calls.append((lambda: fn(*args), future))
+        self._calls.append((lambda: fn(*args), future, on_engine_thread))
         self._wake.set()
         return future
 
@@ -137,13 +143,21 @@ class EngineLoop:
                 await self._wake.wait()
                 previous_end = None
             while self._calls:
-                fn, future = self._calls.popleft()
+                fn, future, on_engine_thread = self._calls.popleft()
                 if future.cancelled():
                     continue
                 try:
-                    future.set_result(fn())
+                    if on_engine_thread:
+                        result = await loop.run_in_executor(self._executor, fn)
+                        previous_end = None  # the device was busy with it: the next step starts after it
+                    else:
+                        result = fn()
                 except Exception as exc:  # noqa: BLE001  the caller gets it; the loop goes on
-                    future.set_exception(exc)
+                    if not future.done():
+                        future.set_exception(exc)
+                else:
+                    if not future.done():
+                        future.set_result(result)
             if not self.engine.has_unfinished():
                 previous_end = None
                 continue

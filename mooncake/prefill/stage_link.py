@@ -20,7 +20,7 @@ from mooncake.engine.stage import PipelineStage, decode_hidden, encode_hidden
 from mooncake.hashing import HASH_SEED
 from mooncake.transfer.contract import BlockService, TransferError, Transport
 
-Compute = Callable[..., Awaitable]  # runs fn(*args) on the stage engine's thread, e.g. EngineLoop.call
+Compute = Callable[..., Awaitable]  # runs fn(*args) on the stage engine's thread: EngineLoop.call_on_engine_thread
 
 
 def chunk_key(request_id: str, stage: int, chunk: int) -> int:
@@ -60,6 +60,9 @@ class StageInbox(BlockService):
 
     def get_block(self, key: int):
         return None  # chunks are pushed, never fetched
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._chunks
 
     async def take(self, key: int, timeout_s: float, what: str) -> bytes | memoryview:
         """The chunk under `key`, waiting up to `timeout_s`; TransferError naming `what` if it is not in."""
@@ -106,14 +109,20 @@ async def run_stage(stage: PipelineStage, index: int, request_id: str, chunk_siz
     the simulator charges it (`cost.pipeline_ends`)."""
     logits = None
     sends: list[asyncio.Task] = []
+    previous_end = None  # the last chunk's end on an emulated device
     try:
         for j, size in enumerate(chunk_sizes):
             what = f"request {request_id} stage {index} chunk {j}"
-            hidden = None
+            hidden, waiting = None, False
             if index > 0:
-                data = await inbox.take(chunk_key(request_id, index, j), time_left(deadline, what), what)
+                key = chunk_key(request_id, index, j)
+                waiting = key not in inbox
+                data = await inbox.take(key, time_left(deadline, what), what)
                 hidden = decode_hidden(data, stage.engine.device)
-            out = await compute(stage.run, request_id, size, hidden)
+            # NOTE: a chunk that was here before the last one ended starts at that one's modelled end
+            out = await compute(stage.run, request_id, size, hidden, None if waiting else previous_end)
+            if (end := stage.modelled_end(request_id)) is not None:
+                previous_end = min(time.perf_counter(), end)
             if next_peer is None:
                 logits = out
                 continue

@@ -95,8 +95,8 @@ class PrefillStages:
             await worker.report_failure(rid, f"CPP stage {msg.stage}: {exc}", is_invalid=True)
             return
         try:
-            logits = await run_stage(stage, msg.stage, rid, sizes, worker.loop.call, self.inbox, worker.transport,
-                                     msg.next_address or None, deadline)
+            logits = await run_stage(stage, msg.stage, rid, sizes, worker.loop.call_on_engine_thread, self.inbox,
+                                     worker.transport, msg.next_address or None, deadline)
             compute_s = time.perf_counter() - received
             kv = await self._push_kv(stage, msg, deadline)
             if msg.stage > 0:  # the stages before have their KV in decode's inbox
@@ -134,7 +134,7 @@ class PrefillStages:
         worker = self.worker
         if not msg.decode_address:
             return None
-        payloads = await worker.loop.call(stage.export, msg.request_id)
+        payloads = await worker.loop.call_on_engine_thread(stage.export, msg.request_id)
         if not payloads:
             return None
         blocks = await asyncio.to_thread(wire_blocks, payloads)

@@ -147,3 +147,30 @@ def test_back_to_back_steps_keep_the_emulated_devices_clock_when_the_host_hands_
     assert len(back_to_back) >= 15
     for prev, cur in back_to_back:
         assert cur[0] == prev[1]  # not the later time at which the loop took the previous step back
+
+
+def test_a_stages_chunks_keep_the_emulated_devices_clock_when_the_host_hands_back_late(cfg):
+    """A CPP stage's chunk that was ready when the last one ended starts at that one's modelled end: the
+    host's lateness between chunks (here 15 ms each) shortens the next chunk instead of adding up. Without
+    `since`, a chunk starts when it is called."""
+    import time
+
+    from mooncake.engine.stage import PipelineStage
+
+    engine = LLMEngine(dataclasses.replace(cfg, emulation_speedup=0.1))  # ~67 ms per 64-token chunk
+    stage = PipelineStage(engine, range(0, engine.runner.kv_spec.num_layers))
+    stage.begin("r1", list(range(3, 259)))
+    stage.begin("r2", list(range(3, 259)))
+    for rid, back_to_back in (("r1", True), ("r2", False)):
+        since, chunks = None, []
+        for _ in range(4):
+            called = time.perf_counter()
+            stage.run(rid, 64, None, since)
+            end = stage.modelled_end(rid)
+            chunks.append((since or called, end, engine.runner.modelled_step_s))
+            time.sleep(0.015)  # the host hands the chunk back late
+            since = end if back_to_back else None
+        for start, end, modelled in chunks:
+            assert end == pytest.approx(start + modelled, abs=0.002)
+        gaps = [later[0] - earlier[1] for earlier, later in zip(chunks, chunks[1:])]
+        assert all(gap == 0 for gap in gaps) if back_to_back else all(gap >= 0.015 for gap in gaps)
