@@ -13,13 +13,19 @@ Two measurements, same prompts:
   The emulated hidden states are small (a digest per token); each hop also waits the modelled
   activations' transfer time, as the simulator charges it. Times are scaled back to the modelled hardware
   (x speedup).
+- live (`--live`): the same prompt through the REST API of a `mooncake dev` cluster of X prefill
+  instances (each its own process, `conductor.cpp_stages` = X, so the conductor places it on a group of
+  all of them) and one decode instance, emulated LLaMA3-70B at `--speedup`: what a user's request sees,
+  the conductor, the stages' activations and their KV to decode included. Medians of `--repeats`.
 
 Prints, per prompt length, TTFT and speedup over one instance for X = 1, 2, 4, and writes JSON:
-`sim.<tokens>.<X>` and `emulated.<tokens>.<X>` in seconds, and `speedup.<source>.<tokens>.<X>`."""
+`sim.<tokens>.<X>`, `emulated.<tokens>.<X>` (and `live.<tokens>.<X>`) in seconds, and
+`speedup.<source>.<tokens>.<X>`."""
 
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -69,6 +75,24 @@ def emulated_ttft(cfg: EngineConfig, tokens: int, stages: int, chunk: int, tag: 
     return elapsed
 
 
+def live_ttft(tokens: int, stages: int, chunk: int, speedup: float, repeats: int) -> float:
+    """Median TTFT (modelled seconds) of fresh `tokens`-token prompts through a dev cluster of `stages`
+    prefill instances run as one CPP group."""
+    from mooncake.dev import DevCluster
+    from scripts.bench_serving import stream_ttft
+    settings = {"engine.model": MODEL, "engine.block_size": 64, "engine.emulation_speedup": speedup,
+                "engine.prefill_chunk": chunk, "engine.max_num_batched_tokens": chunk,
+                "engine.kv_cache_bytes": 1 << 30, "api.port": 0, "api.model_name": "bench",
+                "conductor.admission": "accept-all", "conductor.cpp_stages": stages,
+                "conductor.cpp_threshold_tokens": chunk, "conductor.cpp_chunk_tokens": chunk}
+    with DevCluster(load_config(None, settings), num_prefill=stages, num_decode=1, num_cache=0,
+                    workdir=Path(tempfile.mkdtemp(prefix="bench-cpp-")), log_to_files=True) as cluster:
+        stream_ttft(cluster.url, "bench", [7] * 64)  # first request's one-time costs
+        samples = [stream_ttft(cluster.url, "bench", [(hash((stages, i, j)) % 250) + 1 for j in range(tokens)], 2)
+                   for i in range(repeats)]
+    return statistics.median(samples) * speedup
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="32768,65536,131000",
@@ -78,6 +102,8 @@ def main() -> None:
     parser.add_argument("--speedup", type=float, default=5.0, help="the emulated engine's time compression")
     parser.add_argument("--transport", default="tcp", choices=["tcp", "shm"],
                         help="what carries the hidden states between stages")
+    parser.add_argument("--live", action="store_true", help="also through a dev cluster's REST API (see above)")
+    parser.add_argument("--repeats", type=int, default=3, help="prompts per live measurement (median)")
     parser.add_argument("--json", default="bench-results/cpp.json")
     args = parser.parse_args()
     lengths = [int(x) for x in args.tokens.split(",")]
@@ -85,23 +111,28 @@ def main() -> None:
     from mooncake.models.fetch import fetch_model
     cfg = EngineConfig(model=str(fetch_model(MODEL)), block_size=64, prefill_chunk=args.chunk,
                        max_num_batched_tokens=args.chunk, emulation_speedup=args.speedup)
-    result = {"sim": {}, "emulated": {}, "speedup": {"sim": {}, "emulated": {}}, "chunk_tokens": args.chunk,
-              "emulation_speedup": args.speedup, "transport": args.transport}
+    sources = ("sim", "emulated", "live") if args.live else ("sim", "emulated")
+    result = {**{source: {} for source in sources}, "speedup": {source: {} for source in sources},
+              "chunk_tokens": args.chunk, "emulation_speedup": args.speedup, "transport": args.transport}
     print(f"one cold prompt, LLaMA3-70B on 8 x A800 per instance, chunks of {args.chunk} tokens; TTFT in modelled "
           f"seconds (speedup over 1 instance; the paper: close to X for long prompts)")
-    print(f"{'tokens':>8}{'instances':>11}{'sim s':>10}{'x':>7}{'emulated s':>12}{'x':>7}")
+    print(f"{'tokens':>8}{'instances':>11}" + "".join(f"{source + ' s':>12}{'x':>7}" for source in sources))
     for tokens in lengths:
-        for source in ("sim", "emulated"):
+        for source in sources:
             result[source][tokens] = {}
             result["speedup"][source][tokens] = {}
         for x in sizes:
-            sim = sim_ttft(tokens, x, args.chunk)
-            emulated = emulated_ttft(cfg, tokens, x, args.chunk, f"{tokens}-{x}", args.transport) * args.speedup
-            result["sim"][tokens][x], result["emulated"][tokens][x] = sim, emulated
-            for source, value in (("sim", sim), ("emulated", emulated)):
+            result["sim"][tokens][x] = sim_ttft(tokens, x, args.chunk)
+            result["emulated"][tokens][x] = emulated_ttft(cfg, tokens, x, args.chunk, f"{tokens}-{x}",
+                                                          args.transport) * args.speedup
+            if args.live:
+                result["live"][tokens][x] = live_ttft(tokens, x, args.chunk, args.speedup, args.repeats)
+            cells = ""
+            for source in sources:
+                value = result[source][tokens][x]
                 result["speedup"][source][tokens][x] = result[source][tokens][sizes[0]] / value
-            print(f"{tokens:>8}{x:>11}{sim:>10.2f}{result['speedup']['sim'][tokens][x]:>7.2f}"
-                  f"{emulated:>12.2f}{result['speedup']['emulated'][tokens][x]:>7.2f}", flush=True)
+                cells += f"{value:>12.2f}{result['speedup'][source][tokens][x]:>7.2f}"
+            print(f"{tokens:>8}{x:>11}" + cells, flush=True)
     out = ROOT / args.json if not Path(args.json).is_absolute() else Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -74,16 +74,19 @@ class KVInbox(BlockService):
             found.extend(self.claim(keys))
         return found
 
-    def release_blocks(self, block_hashes: list[int], num_layers: int, by_layer: bool) -> int:
-        """`release` of a cancelled request's blocks, each under the keys it came (or, not here yet, will
-        come) by: its hash, or its layers' keys when some are here or the sender streams layers."""
+    def release_blocks(self, block_hashes: list[int], num_layers: int) -> int:
+        """`release` of a cancelled request's blocks, each under the keys it came by: its hash, or its
+        layers' keys when some are here. A block none of whose keys is here yet may still come either way
+        (whole, by layer from a layer-streaming prefill or a CPP group's stages): both are expected."""
         keys = []
         for block_hash in block_hashes:
             layers = [layer_key(block_hash, layer) for layer in range(num_layers)]
-            if block_hash in self._blocks or not (by_layer or any(key in self._blocks for key in layers)):
+            if block_hash in self._blocks:
                 keys.append(block_hash)
-            else:
+            elif any(key in self._blocks for key in layers):
                 keys.extend(layers)
+            else:
+                keys.extend([block_hash, *layers])
         return self.release(keys)
 
     def release(self, keys: list[int]) -> int:

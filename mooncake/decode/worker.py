@@ -50,8 +50,7 @@ class DecodeWorker(Worker):
             self._admissions[msg.request_id] = self.spawn_for(msg.request_id, self._admit(msg), "admission")
         elif isinstance(msg, m.Cancel):
             if msg.block_hashes:
-                self.inbox.release_blocks(msg.block_hashes, self.engine.runner.kv_spec.num_layers,
-                                          self.config.instance.stream_layers)
+                self.inbox.release_blocks(msg.block_hashes, self.engine.runner.kv_spec.num_layers)
             await self.drop(msg.request_id)
         else:
             log.warning("%s: unexpected %s from the conductor", self.name, type(msg).__name__)

@@ -165,13 +165,19 @@ class PipelineStage:
         emulated model's modelled activations; 0 for a real model)."""
         return self.engine.runner.activation_seconds(num_tokens)
 
-    def export(self, request_id: str) -> list[KVPayload]:
-        """This stage's layers of the prompt's full computed blocks: a payload per block and layer."""
+    def num_full_blocks(self, request_id: str) -> int:
+        """How many leading blocks of the prompt are full and through this stage (exportable)."""
+        job = self.jobs[request_id]
+        return min(job.done // self.engine.block_size, len(job.hashes))
+
+    def export(self, request_id: str, first_block: int = 0, end_block: int | None = None) -> list[KVPayload]:
+        """This stage's layers of the prompt's full computed blocks [first_block, end_block) (default: to
+        the last full one): a payload per block and layer."""
         job, engine = self.jobs[request_id], self.engine
-        full = min(job.done // engine.block_size, len(job.hashes))
-        blocks = list(zip(job.blocks[:full], job.hashes[:full]))
+        full = self.num_full_blocks(request_id) if end_block is None else min(end_block, self.num_full_blocks(request_id))
+        blocks = list(zip(job.blocks[first_block:full], job.hashes[first_block:full]))
         by_layer = [engine.export_blocks(blocks, layer, view=self.view) for layer in self.layers]
-        return [by_layer[k][i] for i in range(full) for k in range(len(self.layers))]
+        return [by_layer[k][i] for i in range(len(blocks)) for k in range(len(self.layers))]
 
     def first_token(self, request_id: str, logits: torch.Tensor,
                     params: SamplingParams) -> tuple[int, TokenLogprob | None, str | None]:

@@ -98,9 +98,11 @@ class StageInbox(BlockService):
 
 async def run_stage(stage: PipelineStage, index: int, request_id: str, chunk_sizes: list[int],
                     compute: Compute, inbox: StageInbox | None, transport: Transport | None,
-                    next_peer: str | None, deadline: float) -> torch.Tensor | None:
+                    next_peer: str | None, deadline: float,
+                    on_chunk: Callable[[int], None] | None = None) -> torch.Tensor | None:
     """Stage `index`'s part in a prompt already `begin`-ed on it: every chunk through its layers, the
-    hidden states sent to `next_peer`'s inbox (none after the last stage). Returns the last stage's logits
+    hidden states sent to `next_peer`'s inbox (none after the last stage); `on_chunk(j)` after chunk j is
+    computed (where the stage starts pushing its KV to decode). Returns the last stage's logits
     of the prompt's last token, None on other stages. `deadline` (time.monotonic) bounds every wait; a
     failed or late transfer raises TransferError naming the peer and the request.
 
@@ -123,6 +125,8 @@ async def run_stage(stage: PipelineStage, index: int, request_id: str, chunk_siz
             out = await compute(stage.run, request_id, size, hidden, None if waiting else previous_end)
             if (end := stage.modelled_end(request_id)) is not None:
                 previous_end = min(time.perf_counter(), end)
+            if on_chunk is not None:
+                on_chunk(j)
             if next_peer is None:
                 logits = out
                 continue

@@ -4,8 +4,9 @@ each instance of a group, for a prompt long enough to be worth a pipeline.
 Stage k holds layers k*L/X .. (k+1)*L/X - 1 (`engine/stage.py`). For each chunk of the prompt it takes the
 previous stage's hidden states from this instance's `StageInbox` (stage 0: the tokens), computes its
 layers on the engine's thread between the engine's own steps, and sends the result to the next stage
-(`stage_link.run_stage`). Then it pushes its layers of the prompt's full blocks to decode, one payload per
-block and layer, as layer-wise streaming does, so decode claims each block by all its layers.
+(`stage_link.run_stage`). As each chunk fills blocks, it pushes its layers of them to decode while the next
+chunk computes, one payload per block and layer, as layer-wise streaming does, so decode claims each block
+by all its layers and only the last chunk's push lands on TTFT.
 
 Only the last stage reports `PrefillDone`, and only when every stage's KV is in decode's inbox: each stage
 waits for the one before to say its KV is there (an empty chunk after the last, in the inbox), pushes its
@@ -94,11 +95,20 @@ class PrefillStages:
             self.jobs.pop(rid, None)
             await worker.report_failure(rid, f"CPP stage {msg.stage}: {exc}", is_invalid=True)
             return
+        pushes: list[asyncio.Task] = []
+        pushed = 0  # leading blocks whose push has started
+
+        def push_filled(_chunk: int) -> None:  # after each chunk: its full blocks leave while the next computes
+            nonlocal pushed
+            full = stage.num_full_blocks(rid)
+            if msg.decode_address and full > pushed:
+                pushes.append(asyncio.ensure_future(self._push_kv(stage, msg, deadline, pushed, full)))
+                pushed = full
         try:
             logits = await run_stage(stage, msg.stage, rid, sizes, worker.loop.call_on_engine_thread, self.inbox,
-                                     worker.transport, msg.next_address or None, deadline)
+                                     worker.transport, msg.next_address or None, deadline, push_filled)
             compute_s = time.perf_counter() - received
-            kv = await self._push_kv(stage, msg, deadline)
+            sent = [r for r in await asyncio.gather(*pushes) if r is not None]
             if msg.stage > 0:  # the stages before have their KV in decode's inbox
                 await self.inbox.take(chunk_key(rid, msg.stage, len(sizes)), time_left(deadline, what),
                                       f"request {rid} stage {msg.stage}: the KV of the stages before")
@@ -119,7 +129,7 @@ class PrefillStages:
                 request_id=rid, first_token=token, finish_reason=reason, first_logprob=logprob,
                 num_cached_tokens=0, num_computed_tokens=n,
                 num_kv_blocks_sent=len(msg.block_hashes) if msg.decode_address else 0,
-                kv_bytes=kv.num_bytes if kv else 0, kv_seconds=kv.seconds if kv else 0.0,
+                kv_bytes=sum(r.num_bytes for r in sent), kv_seconds=sum(r.seconds for r in sent),
                 prefill_seconds=time.perf_counter() - received, compute_seconds=compute_s))
         except (MooncakeError, asyncio.TimeoutError) as exc:
             if self.jobs.pop(rid, None) is not None:
@@ -127,22 +137,26 @@ class PrefillStages:
                 await worker.report_failure(rid, f"CPP stage {msg.stage}: {exc}")
         finally:
             self.jobs.pop(rid, None)
+            for push in pushes:
+                push.cancel()
+            await asyncio.gather(*pushes, return_exceptions=True)  # NOTE: none still reads the blocks end frees
             await worker.loop.call(stage.end, rid)
 
-    async def _push_kv(self, stage: PipelineStage, msg: m.PrefillStage, deadline: float):
-        """This stage's layers of the prompt's full blocks into decode's inbox; None when none go there."""
+    async def _push_kv(self, stage: PipelineStage, msg: m.PrefillStage, deadline: float, first_block: int,
+                       end_block: int):
+        """This stage's layers of the prompt's blocks [first_block, end_block) into decode's inbox; None when
+        there are none."""
         worker = self.worker
-        if not msg.decode_address:
-            return None
-        payloads = await worker.loop.call_on_engine_thread(stage.export, msg.request_id)
+        payloads = await worker.loop.call_on_engine_thread(stage.export, msg.request_id, first_block, end_block)
         if not payloads:
             return None
         blocks = await asyncio.to_thread(wire_blocks, payloads)
         if delay := worker.transfer_s_per_block * len(payloads) / worker.engine.runner.kv_spec.num_layers:
             await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
         what = f"request {msg.request_id} stage {msg.stage}"
+        # NOTE: a transfer id per push: several of a stage's may be in flight at once.
         result = await worker.transport.send(msg.decode_address, blocks, time_left(deadline, what),
-                                             f"{msg.request_id}/S{msg.stage}", self_checked=True)
+                                             f"{msg.request_id}/S{msg.stage}/B{first_block}", self_checked=True)
         if not result.ok:
             bad = next(b for b in result.blocks if not b.ok)
             raise TransferError(f"decode {msg.decode_id} at {msg.decode_address} did not take block {bad.key:#x} "

@@ -67,6 +67,10 @@ def test_a_pipeline_gives_one_engines_tokens(cfg, single, stages):
 
     payloads = [p for stage in group for p in stage.export("r1")]
     assert sorted({p.layer for p in payloads}) == list(range(num_layers))  # every layer, from its stage
+    first = group[0]  # a push of blocks [1, 3) as a chunk filled them: those blocks alone, each layer once
+    part = first.export("r1", 1, 3)
+    assert [(p.block_hash, p.layer) for p in part] == [(h, layer) for h in first.jobs["r1"].hashes[1:3]
+                                                       for layer in first.layers]
     for stage, before in zip(group, free):
         hashes = stage.jobs["r1"].hashes
         assert stage.engine.pool.match_prefix(hashes) == []  # a stage's partial blocks are never a cache hit
