@@ -22,7 +22,12 @@ class InvalidRequestError(MooncakeError):
 
 
 class KVPayloadError(MooncakeError):
-    """A KV block payload failed verification (checksum, namespace, dtype or shape)."""
+    """A KV block payload failed verification (checksum, namespace, dtype or shape); `block_hash`: the
+    block's, where the raiser names it (so that a reader can drop a bad copy from where it came)."""
+
+    def __init__(self, message: str, block_hash: int | None = None):
+        super().__init__(message)
+        self.block_hash = block_hash
 
 
 class BackendError(MooncakeError):

@@ -14,8 +14,8 @@ import msgspec
 from mooncake.errors import MooncakeError
 from mooncake.sampling import TokenLogprob
 
-VERSION = 4  # 2: logprobs on PrefillDone and Tokens; kv_dtype and time coefficients on Register; 3: StepTokens;
-# 4: PrefillStage
+VERSION = 5  # 2: logprobs on PrefillDone and Tokens; kv_dtype and time coefficients on Register; 3: StepTokens;
+# 4: PrefillStage; 5: reuse_blocks on PrefillStage
 _TYPES: dict[str, type] = {}
 
 
@@ -207,6 +207,7 @@ class PrefillStage(Message, tag="prefill_stage"):
     decode_address: str  # empty: the request ends with its first token, no KV goes to decode
     next_address: str = ""  # the next stage's transport; empty on the last stage
     deadline_s: float = 60.0
+    reuse_blocks: int = 0  # leading blocks the pool holds that every stage reads (its layers), not computes
 
 
 class PrefillDone(Message, tag="prefill_done"):

@@ -116,8 +116,8 @@ class KVCacheCentricPolicy(PlacementPolicy):
             local = lengths.get(instance.instance_id, 0)
             remote = best_len > 0 and (local == 0 or best_len / local > self.balancing_threshold)
             reuse, source = (best_len, best_holder) if remote else (local, None)
-            if instance.member_ids:  # a live CPP group computes the whole prompt
-                local, reuse, source = 0, 0, None
+            if instance.member_ids:  # a live CPP group: its stages read the prefix from the pool, or compute it
+                local, reuse, source = 0, best_len, best_holder
             ttft = self._ttft(request, cluster, instance, reuse, source, local)
             if best is None or (ttft, instance.instance_id) < best[:2]:
                 best = (ttft, instance.instance_id, instance, reuse, source, local)

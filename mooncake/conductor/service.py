@@ -180,7 +180,9 @@ class Conductor:
         flight.block_hashes, flight.is_decode_sent = hashes, False
         if p.stage_ids:
             group = next(v for v in cluster.prefills if v.member_ids == p.stage_ids)
-            flight.predicted_prefill_s = self.decider.policy.prefill_s(view, group, 0)
+            # NOTE: every stage reads the reused prefix from the pool before its first chunk
+            flight.predicted_prefill_s = self.decider.policy.prefill_s(
+                view, group, p.reuse_blocks * self.block_size) + p.transfer_s
         else:
             reused = p.reuse_blocks * self.block_size
             # NOTE: its pool read holds the instance's queue too (requests enter its engine in order), as the
@@ -208,13 +210,17 @@ class Conductor:
                            ships_kv: bool, time_left_s: float) -> None:
         """A CPP leg: a `PrefillStage` to every instance of the group, each told where the next stage is."""
         addresses = [self.registry.get(i).data_address for i in p.stage_ids]
+        # NOTE: chunked as the conductor predicted it (cpp.chunk_bounds): one chunk when the uncached part is short
+        reused = min(p.reuse_blocks, (len(tokens) - 1) // self.block_size) * self.block_size  # the last is computed
+        bounds = self.decider.policy.cpp.chunk_bounds(len(tokens), reused)
         for k, instance_id in enumerate(p.stage_ids):
             if not await self.control.send(instance_id, m.PrefillStage(
                     request_id=flight.wire_id, token_ids=tokens, block_hashes=hashes,
                     sampling=wire_sampling(flight.params), stage=k, num_stages=len(p.stage_ids),
-                    chunk_tokens=self.cfg.cpp_chunk_tokens, next_address=(addresses + [""])[k + 1],
+                    chunk_tokens=max(1, bounds[1] - bounds[0]), next_address=(addresses + [""])[k + 1],
                     decode_id=decode.instance_id, decode_address=decode.data_address if ships_kv else "",
-                    deadline_s=max(0.01, min(self.cfg.prefill_timeout_s, time_left_s)))):
+                    deadline_s=max(0.01, min(self.cfg.prefill_timeout_s, time_left_s)),
+                    reuse_blocks=p.reuse_blocks)):
                 raise LegFailed(f"prefill instance {instance_id} (CPP stage {k}) is unreachable", (instance_id,))
 
     async def _start_colocated_leg(self, flight: Flight, tokens: list[int], remaining: int, now: float,

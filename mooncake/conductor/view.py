@@ -19,9 +19,9 @@ class PrefillView:
     queued_prefill_s: float = 0.0  # predicted prefill time of the requests queued on it
     num_queued: int = 0
     stages: int = 1  # a CPP group of this many instances run as a pipeline (conductor/cpp.py)
-    # A live CPP group: its instances, in stage order (instance_id names the group). Its stages reuse no
-    # cached prefix (not built on a stage), so a policy places no reuse on it. Empty: one instance, or a
-    # simulated group (whose pool serves its stages).
+    # A live CPP group: its instances, in stage order (instance_id names the group). Its stages reuse a
+    # cached prefix only from the pool (each reads it there), never from a member's own cache. Empty: one
+    # instance, or a simulated group (whose pool serves its stages).
     member_ids: tuple[str, ...] = ()
 
 

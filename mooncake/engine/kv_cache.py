@@ -150,6 +150,20 @@ class PagedKVCache:
         host.copy_(gathered, non_blocking=pinned)
         return [memoryview(row) for row in host.view(torch.uint8).numpy().reshape(len(blocks), -1)]
 
+    def import_stage_block(self, view: StageView, block: int, payload: KVPayload, namespace: bytes) -> None:
+        """Verify a whole-block `payload` (a cached prefix block, from the pool) and write the stage's
+        layers of it into `view`'s block `block`."""
+        payload.verify(namespace=namespace, dtype=self.dtype_name, shape=self.block_shape())
+        layers = view.layers
+        source = np.frombuffer(payload.data, dtype=np.uint8).reshape(self.spec.num_layers, -1)[layers.start:layers.stop]
+        target = view.kv.view(len(layers), 2, -1, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)[:, :, block]
+        if target.device.type == "cpu":  # one copy, straight from the payload's bytes into the cache
+            cells = target.view(torch.uint8).numpy()
+            np.copyto(cells, source.reshape(cells.shape))
+            return
+        values = torch.from_numpy(source.copy()).view(self.dtype).view(target.shape)
+        target.copy_(values.to(target.device))
+
     def import_block(self, block: int, payload: KVPayload, namespace: bytes) -> None:
         """Verify `payload` and write it into `block` (all layers, or the payload's one layer)."""
         payload.verify(namespace=namespace, dtype=self.dtype_name, shape=self.block_shape(payload.layer))

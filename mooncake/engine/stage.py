@@ -14,8 +14,8 @@ registered in the prefix cache (another request must not match them) and are fre
 `export` gives its layers of the prompt's full blocks, one payload per layer, as layer-wise streaming
 sends them, so decode assembles a block from the X stages' layers. A stage's chunk runs as a forward of
 its own (`run`), on the engine's thread between its steps: it is never batched with other requests,
-whose layers differ. Prefix reuse on a stage (reading its layers of cached blocks) is not built: a
-stage computes the whole prompt."""
+whose layers differ. A prompt's cached prefix (whole blocks from the cache pool) is given to `begin`:
+each stage copies its layers of it in, and the chunks start after it."""
 
 import queue
 import struct
@@ -36,6 +36,12 @@ from mooncake.kv_payload import KVPayload
 from mooncake.sampling import SamplingParams, TokenLogprob
 
 _PREFIX = struct.Struct("<IQ")  # header length, xxh3-64 of the header (as KV payloads, kv_payload.py)
+
+
+def reusable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many of a prompt's leading blocks a stage may take from the cache: all full ones before its
+    last token, which is computed (the first token is sampled from it), as `LLMEngine` reuses."""
+    return (num_tokens - 1) // block_size
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
@@ -100,19 +106,35 @@ class PipelineStage:
         self.view = engine.kv_cache.stage_view(layers)
         self.jobs: dict[str, _Job] = {}
 
-    def begin(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        """Hold blocks for the prompt; InvalidRequestError when the cache has no room or the id is taken."""
+    def begin(self, request_id: str, prompt_token_ids: list[int], prefix: list[KVPayload] = ()) -> None:
+        """Hold blocks for the prompt; InvalidRequestError when the cache has no room or the id is taken.
+        `prefix`: whole-block payloads of the prompt's leading blocks (read from the cache pool), at most
+        `reusable_blocks`: this stage's layers of them are copied in and the prompt's chunks start after
+        them; KVPayloadError (nothing held) when one is not the prompt's block or fails its check."""
         engine, n = self.engine, len(prompt_token_ids)
         if request_id in self.jobs:
             raise InvalidRequestError(f"request id {request_id!r} is already in this stage")
         if not 0 < n < engine.max_model_len:
             raise InvalidRequestError(f"the prompt has {n} tokens; the context length is {engine.max_model_len}")
+        hashes = hash_blocks(prompt_token_ids, engine.block_size, engine.namespace)
+        if len(prefix) > reusable_blocks(n, engine.block_size):
+            raise InvalidRequestError(f"a {n}-token prompt reuses at most {reusable_blocks(n, engine.block_size)} "
+                                      f"blocks, not {len(prefix)}: its last token is computed")
         num_blocks = -(-n // engine.block_size)
         held = engine.pool.allocate(-(-num_blocks // self.view.per_block))
         if held is None:
             raise InvalidRequestError(f"no room in this stage's KV cache for a {n}-token prompt")
-        self.jobs[request_id] = _Job(list(prompt_token_ids), held, self.view.blocks_in(held, num_blocks),
-                                     hash_blocks(prompt_token_ids, engine.block_size, engine.namespace))
+        job = _Job(list(prompt_token_ids), held, self.view.blocks_in(held, num_blocks), hashes)
+        for block, block_hash, payload in zip(job.blocks, hashes, prefix):
+            try:
+                if payload.block_hash != block_hash:
+                    raise KVPayloadError(f"block {payload.block_hash:#x} is not the prompt's block {block_hash:#x}")
+                engine.kv_cache.import_stage_block(self.view, block, payload, engine.namespace)
+            except KVPayloadError as exc:
+                engine.pool.release(held)
+                raise KVPayloadError(str(exc), payload.block_hash) from None
+        job.done = len(prefix) * engine.block_size
+        self.jobs[request_id] = job
 
     def run(self, request_id: str, num_tokens: int, hidden: torch.Tensor | None,
             since: float | None = None) -> torch.Tensor:
@@ -204,13 +226,15 @@ class PipelineStage:
 
 
 def run_local_pipeline(stages: list[PipelineStage], request_id: str, prompt_token_ids: list[int],
-                       chunk_tokens: int, timeout_s: float = 600.0) -> torch.Tensor:
+                       chunk_tokens: int, timeout_s: float = 600.0, prefix: list[KVPayload] = ()) -> torch.Tensor:
     """A whole group in one process (tests, benchmarks): each stage on a thread of its own, the chunks'
     hidden states crossing each boundary as bytes (`encode_hidden`); the logits of the prompt's last
-    token ([1, vocab]). The stages keep the prompt's blocks (for `export`) until their `end`."""
+    token ([1, vocab]). `prefix`: the prompt's cached leading blocks, whole, for every stage's `begin`. The
+    stages keep the prompt's blocks (for `export`) until their `end`."""
     for stage in stages:
-        stage.begin(request_id, prompt_token_ids)
-    sizes = [min(chunk_tokens, len(prompt_token_ids) - i) for i in range(0, len(prompt_token_ids), chunk_tokens)]
+        stage.begin(request_id, prompt_token_ids, prefix)
+    n, start = len(prompt_token_ids), stages[0].jobs[request_id].done
+    sizes = [min(chunk_tokens, n - i) for i in range(start, n, chunk_tokens)]
     inboxes = [queue.Queue() for _ in range(len(stages) + 1)]
     for size in sizes:
         inboxes[0].put((size, None))

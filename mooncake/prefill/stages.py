@@ -11,8 +11,11 @@ by all its layers and only the last chunk's push lands on TTFT.
 Only the last stage reports `PrefillDone`, and only when every stage's KV is in decode's inbox: each stage
 waits for the one before to say its KV is there (an empty chunk after the last, in the inbox), pushes its
 own, and says so to the next. A failure anywhere ends the stage's job with `RequestFailed`; the conductor
-then cancels the others and moves the request. Prefix reuse on a stage is not built: a stage computes the
-whole prompt, and its blocks are never entered in the prefix cache."""
+then cancels the others and moves the request.
+
+A prompt whose prefix the cache pool holds is placed with `reuse_blocks`: every stage reads those blocks
+whole from the pool, keeps its layers of them, and computes only the rest (the chunks start after them).
+A stage's blocks are never entered in the prefix cache."""
 
 import asyncio
 import logging
@@ -22,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from mooncake import messages as m
-from mooncake.engine.stage import PipelineStage, encode_hidden, stage_layers
-from mooncake.errors import InvalidRequestError, MooncakeError
-from mooncake.kv_payload import wire_blocks
+from mooncake.engine.stage import PipelineStage, encode_hidden, reusable_blocks, stage_layers
+from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
+from mooncake.kv_payload import KVPayload, wire_blocks
 from mooncake.prefill.stage_link import StageInbox, chunk_key, run_stage, time_left
 from mooncake.sampling import SamplingParams
 from mooncake.transfer.contract import TransferError
@@ -35,13 +38,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class _StageJob:
     msg: m.PrefillStage
+    reused_blocks: int  # leading blocks every stage of the group reads from the pool
+    sizes: list[int]  # the chunks of the rest of the prompt, in tokens
     task: asyncio.Task | None = None
 
     @property
     def keys(self) -> list[int]:
         """Every inbox key of this request's chunks to this stage, and the one saying the KV is in."""
-        n = -(-len(self.msg.token_ids) // self.msg.chunk_tokens)
-        return [chunk_key(self.msg.request_id, self.msg.stage, j) for j in range(n + 1)]
+        return [chunk_key(self.msg.request_id, self.msg.stage, j) for j in range(len(self.sizes) + 1)]
 
 
 class PrefillStages:
@@ -57,7 +61,11 @@ class PrefillStages:
         if msg.request_id in self.jobs:
             log.warning("%s: stage job %s is already here; ignored", self.worker.name, msg.request_id)
             return
-        job = self.jobs[msg.request_id] = _StageJob(msg)
+        n, size = len(msg.token_ids), self.worker.engine.block_size
+        reused = max(0, min(msg.reuse_blocks, reusable_blocks(n, size)))
+        step = max(1, msg.chunk_tokens)
+        sizes = [min(step, n - i) for i in range(reused * size, n, step)]
+        job = self.jobs[msg.request_id] = _StageJob(msg, reused, sizes)
         job.task = self.worker.spawn_for(msg.request_id, self._run(job), "a CPP stage")
 
     async def drop(self, request_id: str) -> None:
@@ -85,15 +93,29 @@ class PrefillStages:
         what = f"request {rid} stage {msg.stage}"
         received = time.perf_counter()
         deadline = time.monotonic() + msg.deadline_s
-        n = len(msg.token_ids)
-        sizes = [min(msg.chunk_tokens, n - i) for i in range(0, n, msg.chunk_tokens)]
+        n, sizes = len(msg.token_ids), job.sizes
         try:
             stage = self._stage(msg)
             params = SamplingParams(**{**msg.sampling, "max_tokens": 1, "stop": ()})
-            await worker.loop.call(stage.begin, rid, msg.token_ids)
         except (InvalidRequestError, TypeError, ValueError) as exc:
             self.jobs.pop(rid, None)
             await worker.report_failure(rid, f"CPP stage {msg.stage}: {exc}", is_invalid=True)
+            return
+        try:
+            prefix, fetched_bytes, fetch_s = await self._read_prefix(job)
+            # NOTE: on the engine's thread: copying a long prefix in would stall the event loop
+            await worker.loop.call_on_engine_thread(stage.begin, rid, msg.token_ids, prefix)
+            computing = time.perf_counter()
+        except InvalidRequestError as exc:
+            self.jobs.pop(rid, None)
+            await worker.report_failure(rid, f"CPP stage {msg.stage}: {exc}", is_invalid=True)
+            return
+        except (MooncakeError, asyncio.TimeoutError) as exc:  # the group cannot reuse what it was placed to
+            if isinstance(exc, KVPayloadError) and exc.block_hash is not None:
+                worker.forget_pool_block(exc.block_hash, rid, str(exc))
+            if self.jobs.pop(rid, None) is not None:
+                log.warning("%s: CPP stage %d of request %s: %s", worker.name, msg.stage, rid, exc)
+                await worker.report_failure(rid, f"CPP stage {msg.stage}: {exc}")
             return
         pushes: list[asyncio.Task] = []
         pushed = 0  # leading blocks whose push has started
@@ -107,7 +129,7 @@ class PrefillStages:
         try:
             logits = await run_stage(stage, msg.stage, rid, sizes, worker.loop.call_on_engine_thread, self.inbox,
                                      worker.transport, msg.next_address or None, deadline, push_filled)
-            compute_s = time.perf_counter() - received
+            compute_s = time.perf_counter() - computing
             sent = [r for r in await asyncio.gather(*pushes) if r is not None]
             if msg.stage > 0:  # the stages before have their KV in decode's inbox
                 await self.inbox.take(chunk_key(rid, msg.stage, len(sizes)), time_left(deadline, what),
@@ -127,7 +149,8 @@ class PrefillStages:
                 return  # cancelled meanwhile
             await worker.link.send(m.PrefillDone(
                 request_id=rid, first_token=token, finish_reason=reason, first_logprob=logprob,
-                num_cached_tokens=0, num_computed_tokens=n,
+                num_cached_tokens=job.reused_blocks * worker.engine.block_size,
+                num_computed_tokens=sum(sizes), fetched_bytes=fetched_bytes, fetch_seconds=fetch_s,
                 num_kv_blocks_sent=len(msg.block_hashes) if msg.decode_address else 0,
                 kv_bytes=sum(r.num_bytes for r in sent), kv_seconds=sum(r.seconds for r in sent),
                 prefill_seconds=time.perf_counter() - received, compute_seconds=compute_s))
@@ -141,6 +164,35 @@ class PrefillStages:
                 push.cancel()
             await asyncio.gather(*pushes, return_exceptions=True)  # NOTE: none still reads the blocks end frees
             await worker.loop.call(stage.end, rid)
+
+    async def _read_prefix(self, job: _StageJob) -> tuple[list[KVPayload], int, float]:
+        """The prompt's leading blocks the conductor placed the group to reuse, whole, from the cache pool
+        (each stage keeps its layers of them); with the bytes read and the seconds it took. Every stage
+        must start from the same block, so a block the pool no longer holds fails the stage (TransferError),
+        as does one it serves corrupted (KVPayloadError, here or as `begin` checks it; the caller removes it
+        from the pool): the conductor moves the request."""
+        msg, worker = job.msg, self.worker
+        wanted = msg.block_hashes[:job.reused_blocks]
+        if not wanted:
+            return [], 0, 0.0
+        what = f"request {msg.request_id} stage {msg.stage}"
+        if worker.cache is None:
+            raise TransferError(f"{what}: placed to reuse {len(wanted)} blocks from the cache pool, but this "
+                                f"instance has no cache pool (cache.nodes)")
+        started = time.perf_counter()
+        found = await worker.cache.get_blocks(wanted)
+        payloads = []
+        for i, key in enumerate(wanted):
+            if (data := found.get(key)) is None:
+                raise TransferError(f"{what}: the cache pool no longer holds block {i} ({key:#x}) of the "
+                                    f"prefix it was placed to reuse")
+            try:
+                payloads.append(KVPayload.from_bytes(data))
+            except KVPayloadError as exc:
+                raise KVPayloadError(f"pool block {i} ({key:#x}) of the prefix: {exc}", key) from None
+        if delay := worker.transfer_s_per_block * len(wanted):
+            await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
+        return payloads, sum(len(found[key]) for key in wanted), time.perf_counter() - started
 
     async def _push_kv(self, stage: PipelineStage, msg: m.PrefillStage, deadline: float, first_block: int,
                        end_block: int):

@@ -204,10 +204,13 @@ class PrefillWorker(Worker):
         """The pool served block `index` of the request's prompt corrupted (no transport checks a KV payload:
         its reader does). It is computed here instead: remove the bad copy so that the recomputed one,
         written back like any new block, takes its place (a put of a key the pool holds is a no-op)."""
-        key = job.msg.block_hashes[index]
         job.num_pool_blocks = index
+        self.forget_pool_block(job.msg.block_hashes[index], job.msg.request_id, why)
+
+    def forget_pool_block(self, key: int, request_id: str, why: str) -> None:
+        """Remove a block the pool served corrupted, so that a recomputed copy can take its place."""
         log.warning("%s: request %s: pool block %#x unusable (%s); removing it from the pool, recomputing",
-                    self.name, job.msg.request_id, key, why)
+                    self.name, request_id, key, why)
         task = asyncio.create_task(self.cache.remove_blocks([key]))
         self._pool_writes.add(task)  # NOTE: best effort, as pool writes are: it never fails the request
 

@@ -148,16 +148,22 @@ def test_a_cpp_group_is_judged_by_its_pipelines_time():
     assert policy.place(REQUEST, cluster([single, group]), now=0.0).prefill_id == "p0"
 
 
-def test_a_live_cpp_group_reuses_no_prefix_and_names_its_stages():
-    """A live group (member_ids) computes the whole prompt: a pool prefix does not shorten its time, so an
-    instance that can fetch most of the prompt wins; with nothing cached, the group wins, and the
-    placement names its stages in order, the last as the prefill instance."""
+def test_a_live_cpp_group_reads_a_pool_prefix_and_names_its_stages():
+    """A live group (member_ids) reuses a prefix the pool holds (each stage reads it there): with 4 of 10
+    blocks in the pool it reads them and pipelines the other 6; with 9 the rest is one short chunk, the
+    pipeline gains nothing, and one instance wins; cold, the group wins. The placement names the stages in
+    order, the last as the prefill instance."""
     from mooncake.conductor.cpp import CppSettings
     index = PrefixIndex()
-    index.add("cache-0", HASHES[:9])
     policy = make_placement_policy("kvcache-centric", index, estimators(bandwidth=1e11))
     policy.cpp = CppSettings(stages=2, threshold_tokens=1024, chunk_tokens=256)
     views = [PrefillView("p0"), PrefillView("p1"), PrefillView("p0+p1", stages=2, member_ids=("p0", "p1"))]
+    index.add("cache-0", HASHES[:4])
+    placement = policy.place(REQUEST, cluster(views), now=0.0)
+    assert placement.stage_ids == ("p0", "p1") and placement.prefill_id == "p1"
+    assert placement.reuse_blocks == 4 and placement.fetch_from == "cache-0"
+    assert placement.transfer_s == pytest.approx(4 * BLOCK_BYTES / 1e11)
+    index.add("cache-0", HASHES[4:9])
     placement = policy.place(REQUEST, cluster(views), now=0.0)
     assert placement.stage_ids == () and placement.reuse_blocks == 9 and placement.prefill_id in ("p0", "p1")
     cold = RequestView("r3", num_tokens=10 * BLOCK, block_hashes=tuple(range(300, 310)))

@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -45,6 +46,31 @@ def test_a_long_prompt_runs_on_a_group_and_gives_one_instances_tokens(cluster):
     short = "Short prompt."
     status, reply = post(cluster.url + "/v1/completions", {**body, "prompt": short, "max_tokens": 4})
     assert status == 200 and reply["choices"][0]["token_ids"] == generate(cluster, short, 4)
+
+
+def test_a_long_prompt_whose_prefix_is_in_the_pool_reads_it_on_every_stage(cluster):
+    """A short prompt runs on one instance, which writes its blocks to the pool; a long prompt that starts
+    with it runs on the group, every stage reading that prefix from the pool and computing only the rest,
+    and the answer is still the one `mooncake generate` gives."""
+    head = "A prefix that one instance computes and writes to the pool. "  # 60 tokens
+    body = {"model": "tiny", "temperature": 0, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
+    fetched = sum(v for k, v in metrics(cluster.url).items() if k.startswith("mooncake_kv_fetch_bytes"))
+    pooled = sum(v for k, v in metrics(cluster.url).items() if k.startswith("mooncake_cache_blocks"))
+    status, reply = post(cluster.url + "/v1/completions", {**body, "prompt": head})
+    assert status == 200 and reply["usage"]["prompt_tokens"] <= 64, reply  # under the threshold: one instance
+    wait_for(lambda: sum(v for k, v in metrics(cluster.url).items() if k.startswith("mooncake_cache_blocks"))
+             >= pooled + reply["usage"]["prompt_tokens"] // 16, 10, "the short prompt's blocks in the pool")
+    time.sleep(0.5)  # the conductor's prefix index hears of them from the pool
+    logs = lambda: sum(((cluster.workdir / f"prefill-{i}.log").read_text().count("2-stage CPP pipeline")
+                        for i in range(2)))
+    groups = logs()
+    prompt = head + "Then a long tail that only this request has, so the group computes it in chunks. " * 4
+    status, reply = post(cluster.url + "/v1/completions", {**body, "prompt": prompt})
+    assert status == 200 and reply["usage"]["prompt_tokens"] > 64, reply
+    assert logs() == groups + 1  # it ran on the group
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # read from the pool, not computed
+    assert sum(v for k, v in metrics(cluster.url).items() if k.startswith("mooncake_kv_fetch_bytes")) > fetched
+    assert reply["choices"][0]["token_ids"] == generate(cluster, prompt, 6)
 
 
 def test_a_stage_lost_mid_prompt_costs_the_stream_nothing(cluster):

@@ -113,6 +113,57 @@ def test_a_group_runs_a_prompt_too_long_for_one_engines_cache(cfg, single):
     assert out.num_cached_tokens == 9 * cfg.block_size and out.token_ids == alone.token_ids
 
 
+@pytest.mark.parametrize("reused", [3, 4])
+def test_a_group_reuses_a_cached_prefix_and_computes_only_the_rest(cfg, single, reused):
+    """Whole blocks of the prompt's prefix, as the cache pool serves them, given to every stage's `begin`:
+    each copies its layers in and computes only the rest, and the first token and decode's stream are one
+    engine's (4 blocks: all the full ones before the prompt's last token)."""
+    ids = prompt(single, 70)
+    (alone,) = single.generate([ids], GREEDY)
+    writer = LLMEngine(cfg)  # the instance that computed the prefix and wrote it to the pool
+    writer.add_request(ids, SamplingParams(max_tokens=1), "w", (), True)
+    while writer.has_unfinished():
+        writer.step()
+    pool = [type(p).from_bytes(p.to_bytes()) for p in writer.export_kv("w")][:reused]
+    num_layers = single.runner.kv_spec.num_layers
+    group = [PipelineStage(LLMEngine(cfg), layers) for layers in stage_layers(num_layers, 2)]
+    computed = []
+    for stage in group:
+        run = stage.run
+        stage.run = lambda rid, n, hidden, since=None, run=run: computed.append(n) or run(rid, n, hidden, since)
+    logits = run_local_pipeline(group, "r1", ids, chunk_tokens=16, prefix=pool)
+    assert int(logits.argmax()) == alone.token_ids[0]
+    assert sum(computed) == 2 * (len(ids) - reused * cfg.block_size)  # each stage computed the rest alone
+    payloads = [p for stage in group for p in stage.export("r1")]
+    decode = LLMEngine(cfg)
+    rid = decode.add_request(ids, GREEDY, kv_payloads=[type(p).from_bytes(p.to_bytes()) for p in payloads])
+    while decode.has_unfinished():
+        decode.step()
+    out = decode.pop_completion(rid)
+    assert out.num_cached_tokens == 4 * cfg.block_size and out.token_ids == alone.token_ids
+
+
+def test_a_stage_refuses_a_prefix_that_is_not_the_prompts(cfg, single):
+    engine = LLMEngine(cfg)
+    stage = PipelineStage(engine, range(0, 1))
+    ids = prompt(single, 40)  # 2 full blocks, both reusable
+    writer = LLMEngine(cfg)
+    writer.add_request(ids, SamplingParams(max_tokens=1), "w", (), True)
+    while writer.has_unfinished():
+        writer.step()
+    blocks = writer.export_kv("w")
+    with pytest.raises(KVPayloadError, match="not the prompt's block"):
+        stage.begin("r1", ids, [blocks[1]])
+    flipped = bytearray(blocks[0].to_bytes())
+    flipped[-1] ^= 0x01
+    corrupt = type(blocks[0]).from_bytes(bytes(flipped))
+    with pytest.raises(KVPayloadError, match="checksum"):
+        stage.begin("r1", ids, [corrupt])
+    with pytest.raises(InvalidRequestError, match="at most 1 blocks"):
+        stage.begin("r1", ids[:32], blocks)  # 32 tokens: the second block holds the last token
+    assert engine.pool.num_free == cfg.num_kv_blocks and not stage.jobs  # nothing held
+
+
 def test_a_stage_refuses_what_it_cannot_run(cfg, single):
     engine = LLMEngine(cfg)
     num_layers = engine.runner.kv_spec.num_layers
