@@ -247,7 +247,8 @@ class InstanceConfig:
     conductor_address: str = "tcp://127.0.0.1:7700"
     transport: str = "tcp"  # KV between prefill and decode: tcp, shm (same host), mooncake, inproc
     data_address: str = ""  # decode's KV inbox, prefill's CPP stage inbox; empty: any free loopback port
-    use_cache_pool: bool = True  # prefill reads reused blocks from, and writes new ones to, the cache nodes
+    # prefill reads reused blocks from, and writes new ones to, the cache nodes; decode writes a CPP group's
+    use_cache_pool: bool = True
     stream_kv: bool = True  # prefill pushes each chunk's KV while computing the next; false: all at the end
     # With stream_kv: each layer's KV of a chunk leaves as soon as that layer is computed, while the next
     # layers compute (the paper's layer-wise streaming), so only the last layer's share of the last

@@ -15,7 +15,7 @@ from mooncake.errors import MooncakeError
 from mooncake.sampling import TokenLogprob
 
 VERSION = 5  # 2: logprobs on PrefillDone and Tokens; kv_dtype and time coefficients on Register; 3: StepTokens;
-# 4: PrefillStage; 5: reuse_blocks on PrefillStage
+# 4: PrefillStage; 5: reuse_blocks on PrefillStage, pool_first_block on Decode
 _TYPES: dict[str, type] = {}
 
 
@@ -235,6 +235,9 @@ class Decode(Message, tag="decode"):
     token_ids: list[int]  # prompt + the first token
     block_hashes: list[int]  # of the prompt's full blocks
     sampling: Sampling  # max_tokens already counts the first token out
+    # Write the prompt's blocks from this one on to the pool once imported (a CPP group's: its stages hold
+    # only their layers, so no prefill instance can); None: write none.
+    pool_first_block: int | None = None
 
 
 class Tokens(Message, tag="tokens"):

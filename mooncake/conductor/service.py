@@ -288,9 +288,12 @@ class Conductor:
         decode_id = flight.placement.decode_id
         remaining = flight.params.max_tokens - len(flight.generated)
         flight.is_decode_sent = True
+        # NOTE: a CPP group's blocks reach the pool through decode, the first instance to hold them whole.
+        p = flight.placement
         if not await self.control.send(decode_id, m.Decode(
                 request_id=flight.wire_id, token_ids=flight.leg_token_ids, block_hashes=flight.block_hashes,
-                sampling=wire_sampling(flight.params, max_tokens=remaining))):
+                sampling=wire_sampling(flight.params, max_tokens=remaining),
+                pool_first_block=p.reuse_blocks if p.stage_ids and self.pool is not None else None)):
             flight.inbox.put_nowait(LegFailed(f"decode instance {decode_id} is unreachable", (decode_id,)))
 
     async def _next(self, flight: Flight):

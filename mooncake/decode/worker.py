@@ -4,7 +4,11 @@ Its transport serves a KV inbox that prefill instances push blocks into. A `Deco
 claims the request's blocks, imports them into the paged cache (a block missing or failing verification
 is recomputed, never trusted; the bytes are checked and copied on the engine loop's KV thread while
 running requests keep stepping) and joins continuous batching; every step's tokens go back to the
-conductor in one `StepTokens` (a `Tokens` per request). `Cancel` aborts the request and frees its blocks."""
+conductor in one `StepTokens` (a `Tokens` per request). `Cancel` aborts the request and frees its blocks.
+
+A CPP group's blocks reach decode by layer from its stages, each of which holds only its layers: decode is
+the first instance to hold them whole, so it writes them to the cache pool (`Decode.pool_first_block`) once
+imported, as a prefill instance writes the blocks it computes."""
 
 import asyncio
 import logging
@@ -13,8 +17,9 @@ from mooncake import messages as m
 from mooncake.decode.inbox import KVInbox
 from mooncake.sampling import SamplingParams
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
+from mooncake.instance.pool import PoolAccess
 from mooncake.instance.worker import Worker
-from mooncake.kv_payload import KVPayload
+from mooncake.kv_payload import KVPayload, wire_blocks
 from mooncake.transfer.contract import make_transport
 
 log = logging.getLogger(__name__)
@@ -28,16 +33,19 @@ class DecodeWorker(Worker):
         self.inbox = KVInbox(config.instance.kv_inbox_ttl_s, config.instance.kv_inbox_bytes)
         self._expiry: asyncio.Task | None = None
         self._admissions: dict[str, asyncio.Task] = {}  # request id -> its admission, while it runs
+        self.pool = PoolAccess(self.name, config)
 
     async def start_role(self) -> None:
         self.transport = make_transport(self.config.instance.transport, self.config)
         self.data_address = await self.transport.start(self.inbox, self.config.instance.data_address or None)
         self._expiry = self.supervisor.spawn(self._expire(), "the KV inbox expiry")
+        await self.pool.start()
 
     async def stop_role(self) -> None:
         if self._expiry is not None:
             self._expiry.cancel()
             await asyncio.gather(self._expiry, return_exceptions=True)
+        await self.pool.stop()
         if self.transport is not None:
             await self.transport.stop()
 
@@ -69,7 +77,9 @@ class DecodeWorker(Worker):
         try:
             params = SamplingParams(**{**msg.sampling, "stop": ()})
             if payloads:  # verified and copied in while running streams keep stepping
-                await self.loop.add_request_with_kv(msg.token_ids, params, msg.request_id, payloads)
+                kept = await self.loop.add_request_with_kv(msg.token_ids, params, msg.request_id, payloads)
+                if msg.pool_first_block is not None and self.pool.client is not None and kept > msg.pool_first_block:
+                    await self._write_pool(msg.request_id, msg.pool_first_block, kept)
             else:
                 await self.loop.call(self.engine.add_request, msg.token_ids, params, msg.request_id)
         except (InvalidRequestError, TypeError) as exc:
@@ -79,6 +89,18 @@ class DecodeWorker(Worker):
         finally:
             if self._admissions.get(msg.request_id) is asyncio.current_task():
                 del self._admissions[msg.request_id]
+
+    async def _write_pool(self, request_id: str, first_block: int, end_block: int) -> None:
+        """The request's imported blocks [first_block, end_block) to the pool: pinned between steps, copied and
+        encoded on the KV thread, written in the background."""
+        try:
+            exported = await self.loop.call(self.loop.export_kv, request_id, first_block, end_block - first_block,
+                                            wire_blocks)
+            blocks = await asyncio.shield(exported)  # NOTE: cancelling the copy would unpin blocks it reads
+        except MooncakeError as exc:  # it ended meanwhile
+            log.info("%s: request %s: its blocks were not written to the pool: %s", self.name, request_id, exc)
+            return
+        self.pool.write(request_id, blocks)
 
     async def drop(self, request_id: str) -> None:
         if (admission := self._admissions.pop(request_id, None)) is not None:

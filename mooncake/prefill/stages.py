@@ -112,7 +112,7 @@ class PrefillStages:
             return
         except (MooncakeError, asyncio.TimeoutError) as exc:  # the group cannot reuse what it was placed to
             if isinstance(exc, KVPayloadError) and exc.block_hash is not None:
-                worker.forget_pool_block(exc.block_hash, rid, str(exc))
+                worker.pool.remove(exc.block_hash, rid, str(exc))
             if self.jobs.pop(rid, None) is not None:
                 log.warning("%s: CPP stage %d of request %s: %s", worker.name, msg.stage, rid, exc)
                 await worker.report_failure(rid, f"CPP stage {msg.stage}: {exc}")

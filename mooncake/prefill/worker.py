@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from mooncake import messages as m
 from mooncake.sampling import SamplingParams, TokenLogprob
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
+from mooncake.instance.pool import PoolAccess
 from mooncake.instance.worker import Worker
 from mooncake.kv_payload import KVPayload, wire_blocks
 from mooncake.prefill.stages import PrefillStages
@@ -27,7 +28,6 @@ from mooncake.transfer.contract import TransferError, make_transport
 
 log = logging.getLogger(__name__)
 
-MAX_POOL_WRITES = 64  # chunks being written to the pool at once; past that, chunks skip the pool
 
 
 @dataclass
@@ -54,9 +54,9 @@ class PrefillWorker(Worker):
     def __init__(self, config):
         super().__init__(config)
         self.jobs: dict[str, _Job] = {}
-        self.cache: CacheClient | None = None
+        self.pool = PoolAccess(self.name, config)
+        self.cache: CacheClient | None = None  # the pool's client, when it has one
         self._deadlines: asyncio.Task | None = None
-        self._pool_writes: set[asyncio.Task] = set()
         self._snapshot: list[int] | None = None  # the whole prefix cache, for the next heartbeat
         self._snapshot_task: asyncio.Task | None = None
         self.stages: PrefillStages | None = None  # its part in CPP groups (stages.py)
@@ -69,15 +69,7 @@ class PrefillWorker(Worker):
         # NOTE: it serves only the stage inbox: CPP stages of other instances send it activations.
         self.stages = PrefillStages(self, self.config.instance.kv_inbox_bytes)
         self.data_address = await self.transport.start(self.stages.inbox, self.config.instance.data_address or None)
-        if self.config.instance.use_cache_pool:
-            self.cache = CacheClient(self.config.cache_client, lambda name: make_transport(name, self.config))
-            try:
-                await self.cache.start()  # NOTE: nodes down now are probed until they answer
-            except TransferError as exc:
-                # NOTE: the pool is an accelerator, not a dependency: serve without it, say so.
-                log.warning("%s: no cache pool (%s); computing every prefix locally", self.name, exc)
-                await self.cache.stop()
-                self.cache = None
+        self.cache = await self.pool.start()
         self._deadlines = self.supervisor.spawn(self._enforce_deadlines(), "the deadline watch")
         if self.config.instance.stream_layers:
             self.loop.stream_layers(self._push_layer, wire_blocks)
@@ -89,11 +81,7 @@ class PrefillWorker(Worker):
         for job in self.jobs.values():
             for task in job.pushes:
                 task.cancel()
-        for task in list(self._pool_writes):
-            task.cancel()
-        await asyncio.gather(*self._pool_writes, return_exceptions=True)
-        if self.cache is not None:
-            await self.cache.stop()
+        await self.pool.stop()
         if self.transport is not None:
             await self.transport.stop()
 
@@ -205,20 +193,7 @@ class PrefillWorker(Worker):
         its reader does). It is computed here instead: remove the bad copy so that the recomputed one,
         written back like any new block, takes its place (a put of a key the pool holds is a no-op)."""
         job.num_pool_blocks = index
-        self.forget_pool_block(job.msg.block_hashes[index], job.msg.request_id, why)
-
-    def forget_pool_block(self, key: int, request_id: str, why: str) -> None:
-        """Remove a block the pool served corrupted, so that a recomputed copy can take its place."""
-        log.warning("%s: request %s: pool block %#x unusable (%s); removing it from the pool, recomputing",
-                    self.name, request_id, key, why)
-        task = asyncio.create_task(self.cache.remove_blocks([key]))
-        self._pool_writes.add(task)  # NOTE: best effort, as pool writes are: it never fails the request
-
-        def done(t: asyncio.Task) -> None:
-            self._pool_writes.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                log.warning("%s: removing pool block %#x failed: %r", self.name, key, t.exception())
-        task.add_done_callback(done)
+        self.pool.remove(job.msg.block_hashes[index], job.msg.request_id, why)
 
     async def on_outputs(self, outputs) -> None:
         # Every request that computed in this step, finished or mid-prompt, streams what just filled. A
@@ -270,7 +245,7 @@ class PrefillWorker(Worker):
         blocks = await asyncio.shield(exported)
         to_pool = [b for i, b in enumerate(blocks) if first_block + i >= job.num_pool_blocks]
         if self.cache is not None and to_pool:
-            self._write_pool(msg.request_id, to_pool)
+            self.pool.write(msg.request_id, to_pool)
         to_decode = [b for i, b in enumerate(blocks) if first_block + i not in job.layered]
         if not msg.decode_address or not to_decode:  # none when the request ends with its first token
             return None
@@ -314,27 +289,6 @@ class PrefillWorker(Worker):
             raise TransferError(f"decode {msg.decode_id} at {msg.decode_address} did not take block "
                                 f"{bad.key:#x} of request {msg.request_id}: {bad.error}")
         return result
-
-    def _write_pool(self, request_id: str, blocks: list[tuple[int, bytes]]) -> None:
-        if len(self._pool_writes) >= MAX_POOL_WRITES:
-            # NOTE: the pool is not keeping up; holding more chunks in memory for it would not help it.
-            log.info("%s: %d pool writes pending; %d blocks of %s not written to the pool", self.name,
-                     len(self._pool_writes), len(blocks), request_id)
-            return
-        task = asyncio.create_task(self.cache.put_blocks(blocks, self_checked=True))
-        self._pool_writes.add(task)
-
-        def done(t: asyncio.Task) -> None:
-            self._pool_writes.discard(t)
-            if t.cancelled():
-                return
-            if t.exception() is not None:
-                log.warning("%s: writing %d blocks of %s to the pool failed: %r", self.name, len(blocks),
-                            request_id, t.exception())
-            elif refused := {k: e for k, e in t.result().items() if e}:
-                log.info("%s: the pool did not take %d blocks of %s: %s", self.name, len(refused), request_id,
-                         next(iter(refused.values())))
-        task.add_done_callback(done)
 
     async def _hand_off(self, job: _Job) -> None:
         msg = job.msg

@@ -73,6 +73,24 @@ def test_a_long_prompt_whose_prefix_is_in_the_pool_reads_it_on_every_stage(clust
     assert reply["choices"][0]["token_ids"] == generate(cluster, prompt, 6)
 
 
+def test_a_groups_prompt_reaches_the_pool_through_decode_and_is_reused_from_there(cluster):
+    """Each stage holds only its layers, so decode, the first to hold the blocks whole, writes them to the
+    pool; the same prompt again reads them from there on the group."""
+    pooled = lambda: sum(v for k, v in metrics(cluster.url).items() if k.startswith("mooncake_cache_blocks"))
+    prompt = "A long prompt that a group computes cold, and that decode then writes to the pool. " * 4
+    body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": 6, "ignore_eos": True,
+            "return_token_ids": True}
+    before = pooled()
+    status, first = post(cluster.url + "/v1/completions", body)
+    assert status == 200 and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, first
+    full_blocks = (first["usage"]["prompt_tokens"] - 1) // 16
+    wait_for(lambda: pooled() >= before + full_blocks, 10, "the group's blocks in the pool")
+    time.sleep(0.5)  # the conductor's prefix index hears of them from the pool
+    status, again = post(cluster.url + "/v1/completions", body)
+    assert status == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] == full_blocks * 16, again
+    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+
+
 def test_a_stage_lost_mid_prompt_costs_the_stream_nothing(cluster):
     body = {**story(max_tokens=24), "prompt": story()["prompt"] * 3}  # over the threshold: a group of both
     moved = metrics(cluster.url).get('mooncake_migrations_total{outcome="moved"}', 0.0)
