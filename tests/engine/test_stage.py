@@ -34,6 +34,24 @@ def prompt(engine, n=70):
     return engine.tokenizer(words * 8)["input_ids"][:n]
 
 
+def computed_blocks(cfg, ids) -> list:
+    """The prompt's full blocks, whole, as an engine that computed it exports them (to decode, the pool)."""
+    writer = LLMEngine(cfg)
+    writer.add_request(ids, SamplingParams(max_tokens=1), "w", (), True)
+    while writer.has_unfinished():
+        writer.step()
+    return [type(p).from_bytes(p.to_bytes()) for p in writer.export_kv("w")]
+
+
+def decode_with(cfg, ids, payloads):
+    """The completion a decode engine gives the prompt from these payloads (as they cross the wire)."""
+    decode = LLMEngine(cfg)
+    rid = decode.add_request(ids, GREEDY, kv_payloads=[type(p).from_bytes(p.to_bytes()) for p in payloads])
+    while decode.has_unfinished():
+        decode.step()
+    return decode.pop_completion(rid)
+
+
 def test_layers_split_evenly_and_bad_splits_are_refused():
     assert stage_layers(30, 2) == [range(0, 15), range(15, 30)]
     assert stage_layers(30, 4) == [range(0, 7), range(7, 15), range(15, 22), range(22, 30)]
@@ -76,12 +94,7 @@ def test_a_pipeline_gives_one_engines_tokens(cfg, single, stages):
         assert stage.engine.pool.match_prefix(hashes) == []  # a stage's partial blocks are never a cache hit
         stage.end("r1")
         assert stage.engine.pool.num_free == before
-    decode = LLMEngine(cfg)
-    wire = [type(p).from_bytes(p.to_bytes()) for p in payloads]
-    rid = decode.add_request(ids, GREEDY, kv_payloads=wire)
-    while decode.has_unfinished():
-        decode.step()
-    out = decode.pop_completion(rid)
+    out = decode_with(cfg, ids, payloads)
     assert out.num_cached_tokens == (len(ids) - 1) // cfg.block_size * cfg.block_size  # the stages' KV was used
     assert out.token_ids == alone.token_ids
 
@@ -105,11 +118,7 @@ def test_a_group_runs_a_prompt_too_long_for_one_engines_cache(cfg, single):
     for stage in group:
         stage.end("r1")
         assert stage.engine.pool.num_free == 6
-    decode = LLMEngine(cfg)
-    rid = decode.add_request(ids, GREEDY, kv_payloads=[type(p).from_bytes(p.to_bytes()) for p in payloads])
-    while decode.has_unfinished():
-        decode.step()
-    out = decode.pop_completion(rid)
+    out = decode_with(cfg, ids, payloads)
     assert out.num_cached_tokens == 9 * cfg.block_size and out.token_ids == alone.token_ids
 
 
@@ -120,11 +129,7 @@ def test_a_group_reuses_a_cached_prefix_and_computes_only_the_rest(cfg, single, 
     engine's (4 blocks: all the full ones before the prompt's last token)."""
     ids = prompt(single, 70)
     (alone,) = single.generate([ids], GREEDY)
-    writer = LLMEngine(cfg)  # the instance that computed the prefix and wrote it to the pool
-    writer.add_request(ids, SamplingParams(max_tokens=1), "w", (), True)
-    while writer.has_unfinished():
-        writer.step()
-    pool = [type(p).from_bytes(p.to_bytes()) for p in writer.export_kv("w")][:reused]
+    pool = computed_blocks(cfg, ids)[:reused]  # as the instance that computed them wrote them to the pool
     num_layers = single.runner.kv_spec.num_layers
     group = [PipelineStage(LLMEngine(cfg), layers) for layers in stage_layers(num_layers, 2)]
     computed = []
@@ -135,11 +140,7 @@ def test_a_group_reuses_a_cached_prefix_and_computes_only_the_rest(cfg, single, 
     assert int(logits.argmax()) == alone.token_ids[0]
     assert sum(computed) == 2 * (len(ids) - reused * cfg.block_size)  # each stage computed the rest alone
     payloads = [p for stage in group for p in stage.export("r1")]
-    decode = LLMEngine(cfg)
-    rid = decode.add_request(ids, GREEDY, kv_payloads=[type(p).from_bytes(p.to_bytes()) for p in payloads])
-    while decode.has_unfinished():
-        decode.step()
-    out = decode.pop_completion(rid)
+    out = decode_with(cfg, ids, payloads)
     assert out.num_cached_tokens == 4 * cfg.block_size and out.token_ids == alone.token_ids
 
 
@@ -147,11 +148,7 @@ def test_a_stage_refuses_a_prefix_that_is_not_the_prompts(cfg, single):
     engine = LLMEngine(cfg)
     stage = PipelineStage(engine, range(0, 1))
     ids = prompt(single, 40)  # 2 full blocks, both reusable
-    writer = LLMEngine(cfg)
-    writer.add_request(ids, SamplingParams(max_tokens=1), "w", (), True)
-    while writer.has_unfinished():
-        writer.step()
-    blocks = writer.export_kv("w")
+    blocks = computed_blocks(cfg, ids)
     with pytest.raises(KVPayloadError, match="not the prompt's block"):
         stage.begin("r1", ids, [blocks[1]])
     flipped = bytearray(blocks[0].to_bytes())
