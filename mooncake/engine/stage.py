@@ -9,7 +9,8 @@ activations cross stages, and a stage starts chunk j + 1 while the next stage co
 
 A stage keeps the prompt's KV in its engine's cache seen as a cache of its layers alone
 (`PagedKVCache.stage_view`): a stage of m of the model's L layers fits L // m of its blocks in one of the
-engine's, so a group holds a prompt about X times as long as one instance does. Those blocks are never
+engine's, so a prompt takes about 1/X of each member's cache (decode, which holds it whole, still bounds
+its length). Those blocks are never
 registered in the prefix cache (another request must not match them) and are freed by `end`.
 `export` gives its layers of the prompt's full blocks, one payload per layer, as layer-wise streaming
 sends them, so decode assembles a block from the X stages' layers. A stage's chunk runs as a forward of
