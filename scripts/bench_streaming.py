@@ -10,14 +10,18 @@
   compute (`instance.stream_layers = true`; the paper's Figure 4): only the last layer's share of the
   last chunk lands on TTFT.
 
-Three clusters run side by side (by layer, by chunk, at the end) and the modes are measured in turn, each
-prompt new (no prefix reuse), so drift on this shared host hits every mode alike. For a real model
-(SmolLM2 on these CPUs) and the emulated LLaMA3-70B, whose transfers are charged for the modelled KV
-over the modelled network. Prints a table (medians, and each mode over compute_only) and writes JSON:
-`ttft_s.<mode>` for the first model, and per model under `models`."""
+Three clusters run side by side (by layer, by chunk, at the end) and the modes are measured in rounds:
+each round runs every mode once, in a new order, each prompt new (no prefix reuse). A mode's figure is
+the median over rounds of its TTFT over that round's compute_only, so this shared host's drift (+-7%
+between runs of the same prompt here) hits both sides of each ratio alike; a bootstrap 90% interval
+says what noise is left. For a real model (SmolLM2 on these CPUs) and the emulated LLaMA3-70B, whose
+transfers are charged for the modelled KV over the modelled network. Prints a table and writes JSON:
+`ttft_s.<mode>` (median TTFT) and `over_compute_only.<mode>` for the first model, and per model under
+`models`."""
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -39,7 +43,8 @@ def cluster_for(args, model: str, transport: str, stream_kv: bool, stream_layers
                 "instance.stream_kv": stream_kv, "instance.stream_layers": stream_layers,
                 "engine.prefill_chunk": args.chunk,
                 "engine.max_num_batched_tokens": max(args.chunk, 2048),
-                "engine.kv_cache_bytes": 1 << 30, "conductor.admission": "accept-all"}
+                "engine.kv_cache_bytes": 1 << 30, "engine.num_threads": args.threads,
+                "conductor.admission": "accept-all"}
     if model.startswith("emulated"):
         settings["engine.block_size"] = 64
     return DevCluster(load_config(None, settings), num_cache=0,
@@ -48,20 +53,34 @@ def cluster_for(args, model: str, transport: str, stream_kv: bool, stream_layers
 
 def run_model(args, model: str) -> dict:
     samples = {mode: [] for mode in MODES}
+    ratios = {mode: [] for mode in MODES}  # per round: the mode's TTFT over that round's compute_only
+    order = random.Random(args.seed)
     with cluster_for(args, model, args.transport, True, True) as layers, \
             cluster_for(args, model, args.transport, True) as chunks, \
             cluster_for(args, model, args.transport, False) as at_end:
         for cluster in (layers, chunks, at_end):
             stream_ttft(cluster.url, "bench", tokens(64, "warm-up"))  # first request's one-time costs
+        runs = [("compute_only", chunks, 1), ("layerwise", layers, 2), ("chunkwise", chunks, 2),
+                ("at_end", at_end, 2)]
         for i in range(args.repeats):
-            for mode, cluster, max_tokens in (("compute_only", chunks, 1), ("layerwise", layers, 2),
-                                              ("chunkwise", chunks, 2), ("at_end", at_end, 2)):
+            # NOTE: a new order each round, so no mode always follows another (or a drift's same phase).
+            round_s = {}
+            for mode, cluster, max_tokens in order.sample(runs, len(runs)):
                 prompt = tokens(args.prompt_tokens, f"{model}-{mode}-{i}-{time.time()}")
-                samples[mode].append(stream_ttft(cluster.url, "bench", prompt, max_tokens))
-    ttft = {mode: statistics.median(s) for mode, s in samples.items()}
-    floor = ttft["compute_only"]
-    return {"ttft_s": ttft, "samples_s": samples,
-            "over_compute_only": {m: t / floor for m, t in ttft.items()}}
+                round_s[mode] = stream_ttft(cluster.url, "bench", prompt, max_tokens)
+            for mode, ttft in round_s.items():
+                samples[mode].append(ttft)
+                ratios[mode].append(ttft / round_s["compute_only"])
+    return {"ttft_s": {mode: statistics.median(s) for mode, s in samples.items()}, "samples_s": samples,
+            "over_compute_only": {mode: statistics.median(r) for mode, r in ratios.items()},
+            "over_compute_only_90ci": {mode: median_interval(r, order) for mode, r in ratios.items()},
+            "ratio_samples": ratios}
+
+
+def median_interval(values: list[float], rng: random.Random, draws: int = 2000) -> list[float]:
+    """A bootstrap 90% interval of the median of `values`: how far this run's noise leaves it uncertain."""
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return [medians[int(0.05 * draws)], medians[int(0.95 * draws) - 1]]
 
 
 def main() -> None:
@@ -71,7 +90,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--chunk", type=int, default=512, help="engine.prefill_chunk")
     parser.add_argument("--transport", default="tcp")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="engine.num_threads of every engine (0: torch's default)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds; each runs every mode once, in a new order")
+    parser.add_argument("--seed", type=int, default=0, help="of the rounds' orders and the bootstrap")
     parser.add_argument("--json", type=Path, default=Path("bench-results/streaming.json"))
     args = parser.parse_args()
 
@@ -80,14 +102,17 @@ def main() -> None:
     for model in models:
         results["models"][model] = run_model(args, model)
     results["ttft_s"] = results["models"][models[0]]["ttft_s"]
+    results["over_compute_only"] = results["models"][models[0]]["over_compute_only"]
 
     print(f"TTFT of a {args.prompt_tokens}-token prompt in chunks of {args.chunk}, {args.transport}, "
-          f"median of {args.repeats}; in brackets, over compute_only (goal for layerwise: <= {GOAL:.2f})")
-    print(f"{'model':>24}" + "".join(f"{mode:>22}" for mode in MODES))
+          f"threads {args.threads or 'default'}, median of {args.repeats} rounds; in brackets, the median over "
+          f"each round's compute_only, with its bootstrap 90% interval (goal for layerwise: <= {GOAL:.2f})")
+    print(f"{'model':>24}" + "".join(f"{mode:>30}" for mode in MODES))
     for model in models:
         r = results["models"][model]
-        cells = [f"{r['ttft_s'][m]:.3f} s ({r['over_compute_only'][m]:.3f})" for m in MODES]
-        print(f"{model:>24}" + "".join(f"{c:>22}" for c in cells))
+        cells = [f"{r['ttft_s'][m]:.3f} s ({r['over_compute_only'][m]:.3f} "
+                 f"{r['over_compute_only_90ci'][m][0]:.3f}-{r['over_compute_only_90ci'][m][1]:.3f})" for m in MODES]
+        print(f"{model:>24}" + "".join(f"{c:>30}" for c in cells))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.json}")
