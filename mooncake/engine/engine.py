@@ -129,7 +129,11 @@ class LLMEngine:
         or `abort` (how a prefill instance holds KV until it is sent)."""
         if kv_payloads:
             pending = self.begin_import(prompt_token_ids, params, request_id, kv_payloads, keep_kv)
-            pending.write(self.kv_cache, self.namespace)
+            try:
+                pending.write(self.kv_cache, self.namespace)
+            except BaseException:  # the device's (out of memory): give back what was reserved
+                self.cancel_import(pending)
+                raise
             return self.finish_import(pending)
         seq = self._new_sequence(prompt_token_ids, params, request_id, keep_kv)
         self.seqs[seq.seq_id] = seq

@@ -64,7 +64,8 @@ def encode_hidden(hidden: torch.Tensor) -> bytes:
 
 
 def decode_hidden(buf: bytes | memoryview, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The tensor `encode_hidden` wrote; KVPayloadError if any byte of it changed."""
+    """The tensor `encode_hidden` wrote; KVPayloadError if any byte of it changed. A device copy waits for
+    the work queued on the device: call it off the event loop."""
     view = memoryview(buf)
     try:
         length, header_sum = _PREFIX.unpack_from(view)
@@ -77,10 +78,12 @@ def decode_hidden(buf: bytes | memoryview, device: torch.device | str = "cpu") -
             raise KVPayloadError("hidden states: data checksum mismatch")
         dtype = getattr(torch, header["dtype"])
         flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
-        return flat.view(dtype).reshape(header["shape"]).to(device)
+        host = flat.view(dtype).reshape(header["shape"])
     except (struct.error, ValueError, KeyError, TypeError, AttributeError, RuntimeError,
             msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise KVPayloadError(f"hidden states: malformed ({exc})") from None
+    # NOTE: outside the try: a device's failure (out of memory) is the device's, not a corrupt payload.
+    return host.to(device)
 
 
 @dataclass
@@ -134,6 +137,9 @@ class PipelineStage:
             except KVPayloadError as exc:
                 engine.pool.release(held)
                 raise KVPayloadError(str(exc), payload.block_hash) from None
+            except BaseException:  # the device's (out of memory): the blocks go back all the same
+                engine.pool.release(held)
+                raise
         job.done = len(prefix) * engine.block_size
         self.jobs[request_id] = job
 
@@ -149,6 +155,8 @@ class PipelineStage:
         start, end = job.done, min(job.done + num_tokens, len(job.prompt))
         if end <= start:
             raise InvalidRequestError(f"request {request_id!r}: the whole prompt has been through this stage")
+        if hidden is not None:
+            hidden = hidden.to(self.engine.device)  # here, on the engine's thread: it waits for the device
         # NOTE: not before the engine's own last step ended on the device (a stage shares its engine's).
         started = time.perf_counter() if since is None else max(since, self.engine.modelled_end)
         runner = self.engine.runner

@@ -120,7 +120,8 @@ async def run_stage(stage: PipelineStage, index: int, request_id: str, chunk_siz
                 key = chunk_key(request_id, index, j)
                 waiting = key not in inbox
                 data = await inbox.take(key, time_left(deadline, what), what)
-                hidden = decode_hidden(data, stage.engine.device)
+                # NOTE: checked off the event loop, kept on the host: `stage.run` moves it to the device
+                hidden = await asyncio.to_thread(decode_hidden, data)
             # NOTE: a chunk that was here before the last one ended starts at that one's modelled end
             out = await compute(stage.run, request_id, size, hidden, None if waiting else previous_end)
             if (end := stage.modelled_end(request_id)) is not None:

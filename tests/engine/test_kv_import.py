@@ -89,6 +89,25 @@ def test_a_bad_block_keeps_the_good_prefix_and_a_cancel_frees_everything(cfg, so
         engine.abort("b")
 
 
+def test_a_device_failure_during_an_import_gives_back_its_blocks(cfg, source, monkeypatch):
+    """Not a bad payload but the device failing the copy (out of memory on a GPU): add_request raises it,
+    and the blocks it reserved and the request id are free again."""
+    payloads = exported(source, PROMPT)
+    engine = LLMEngine(cfg)
+    free_before = engine.pool.num_free
+
+    def out_of_memory(*_args):
+        raise RuntimeError("CUDA out of memory (as a test raises it)")
+    monkeypatch.setattr(engine.kv_cache, "import_block", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.add_request(PROMPT, GREEDY, request_id="a", kv_payloads=payloads)
+    assert engine.pool.num_free == free_before and not engine.has_unfinished()
+    monkeypatch.undo()
+    engine.add_request(PROMPT, GREEDY, request_id="a", kv_payloads=payloads)  # the id is free again
+    run_all(engine)
+    assert engine.pop_completion("a").num_cached_tokens == len(payloads) * cfg.block_size
+
+
 def test_pinned_blocks_outlive_an_abort_until_released(cfg):
     engine = LLMEngine(cfg)
     rid = engine.add_request(PROMPT, SamplingParams(max_tokens=1, ignore_eos=True), keep_kv=True)

@@ -70,6 +70,9 @@ def test_hidden_states_cross_as_bytes_and_a_changed_byte_is_caught():
         bad[at] ^= 0x10
         with pytest.raises(KVPayloadError):
             decode_hidden(bytes(bad))
+    with pytest.raises(RuntimeError) as failed:  # the device's failure is not called a corrupt payload
+        decode_hidden(data, "no-such-device")
+    assert not isinstance(failed.value, KVPayloadError)
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -159,6 +162,19 @@ def test_a_stage_refuses_a_prefix_that_is_not_the_prompts(cfg, single):
     with pytest.raises(InvalidRequestError, match="at most 1 blocks"):
         stage.begin("r1", ids[:32], blocks)  # 32 tokens: the second block holds the last token
     assert engine.pool.num_free == cfg.num_kv_blocks and not stage.jobs  # nothing held
+
+
+def test_a_device_failure_while_a_stage_copies_its_prefix_in_holds_nothing(cfg, single, monkeypatch):
+    engine = LLMEngine(cfg)
+    stage = PipelineStage(engine, range(0, 1))
+    ids = prompt(single, 40)
+
+    def out_of_memory(*_args):
+        raise RuntimeError("CUDA out of memory (as a test raises it)")
+    monkeypatch.setattr(engine.kv_cache, "import_stage_block", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        stage.begin("r1", ids, computed_blocks(cfg, ids)[:1])
+    assert engine.pool.num_free == cfg.num_kv_blocks and not stage.jobs
 
 
 def test_a_stage_refuses_what_it_cannot_run(cfg, single):
