@@ -190,7 +190,9 @@ class ConductorConfig:
     # cpp_chunk_tokens. 1: no groups. `mooncake simulate`: prefill nodes form static groups; a prompt whose
     # uncached part is over cpp_threshold_tokens is chunked, a shorter one passes as one chunk. Live: for a
     # prompt over cpp_threshold_tokens, Algorithm 1 also weighs a group of the least-loaded instances
-    # (which reuses no cached prefix: not built on a stage) and picks it when its pipeline is faster.
+    # (which reuses what the cache pool holds of the prompt, never a member's own cache) and picks it when
+    # its pipeline is faster: a prompt whose uncached part is short passes the group as one chunk, so one
+    # instance wins it.
     cpp_stages: int = 1
     cpp_threshold_tokens: int = 2048
     cpp_chunk_tokens: int = 2048
