@@ -62,7 +62,7 @@ class PagedKVCache:
         self.dtype_name = str(dtype).removeprefix("torch.")
         self.kv = torch.zeros(spec.num_layers, 2, num_blocks * block_size, spec.num_kv_heads, spec.head_dim,
                               dtype=dtype, device=device)
-        self._copy_stream = None  # CUDA: the side stream exports copy on (made at the first)
+        self._copy_stream = None  # CUDA: the side stream exports and imports copy on (made at the first)
 
     def block_shape(self, layer: int | None = None) -> tuple[int, ...]:
         tail = (2, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
@@ -113,9 +113,7 @@ class PagedKVCache:
     def _to_host(self, blocks: list[int], layer: int | None, after, view: StageView | None) -> list[memoryview]:
         if self.kv.device.type != "cuda":
             return self._copy_out(blocks, layer, pinned=False, view=view)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.kv.device)
-        stream = self._copy_stream
+        stream = self._side_stream()
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
@@ -124,6 +122,20 @@ class PagedKVCache:
             hosts = self._copy_out(blocks, layer, pinned=True, view=view)
         stream.synchronize()  # this thread waits for its copies, not for the steps computing meanwhile
         return hosts
+
+    def _side_stream(self):
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.kv.device)
+        return self._copy_stream
+
+    def _copy_in(self, target: torch.Tensor, values: torch.Tensor) -> None:
+        """Host `values` into device `target`, on the side stream, waited for. On the default stream the copy
+        would queue behind the step in progress, so an import of n blocks would take n steps. No step reads
+        `target` before the import is entered (kv_import.py), so nothing need wait for this copy but us."""
+        stream = self._side_stream()
+        with torch.cuda.stream(stream):
+            target.copy_(values.to(target.device))
+        stream.synchronize()
 
     def _copy_out(self, blocks: list[int], layer: int | None, pinned: bool,
                   view: StageView | None = None) -> list[memoryview]:
@@ -143,9 +155,11 @@ class PagedKVCache:
                 host.copy_(paged[:, :, block], non_blocking=pinned)
                 hosts.append(memoryview(host.view(torch.uint8).numpy()).cast("B"))
             return hosts
-        # one layer: slices are small, so one gather of them all, then one copy to host
-        index = torch.tensor(blocks, dtype=torch.long, device=self.kv.device)
-        gathered = paged[layer].index_select(1, index).permute(1, 0, 2, 3, 4)
+        # one layer: slices are small, so one gather of them all (in [block][k|v]... order), one copy to host
+        index = torch.tensor(blocks, dtype=torch.long)
+        if pinned:  # NOTE: a pageable copy to the device would hold this thread until `after` has fired
+            index = index.pin_memory().to(self.kv.device, non_blocking=True)
+        gathered = paged[layer].transpose(0, 1).index_select(0, index)
         host = torch.empty(gathered.shape, dtype=self.dtype, pin_memory=pinned)
         host.copy_(gathered, non_blocking=pinned)
         return [memoryview(row) for row in host.view(torch.uint8).numpy().reshape(len(blocks), -1)]
@@ -161,8 +175,7 @@ class PagedKVCache:
             cells = target.view(torch.uint8).numpy()
             np.copyto(cells, source.reshape(cells.shape))
             return
-        values = torch.from_numpy(source.copy()).view(self.dtype).view(target.shape)
-        target.copy_(values.to(target.device))
+        self._copy_in(target, torch.from_numpy(source.copy()).view(self.dtype).view(target.shape))
 
     def import_block(self, block: int, payload: KVPayload, namespace: bytes) -> None:
         """Verify `payload` and write it into `block` (all layers, or the payload's one layer)."""
@@ -175,5 +188,5 @@ class PagedKVCache:
             cells = target.view(torch.uint8).numpy()
             np.copyto(cells, np.frombuffer(payload.data, dtype=np.uint8).reshape(cells.shape))
             return
-        values = torch.frombuffer(bytearray(payload.data), dtype=torch.uint8).view(self.dtype).view(payload.shape)
-        target.copy_(values.to(target.device))
+        self._copy_in(target, torch.frombuffer(bytearray(payload.data), dtype=torch.uint8).view(self.dtype)
+                      .view(payload.shape))

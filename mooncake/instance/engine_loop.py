@@ -100,8 +100,11 @@ class EngineLoop:
         request before the copy is done; they are unpinned between two later steps."""
         engine = self.engine
         blocks = engine.pin_blocks(request_id, first_block, num_blocks)
+        # NOTE: marked now, between steps: on a GPU the copy then waits for the steps that wrote these
+        # blocks, not for the one that runs when the KV thread gets to it.
+        written = engine.kv_cache.mark_written()
         future = asyncio.get_running_loop().run_in_executor(
-            self._kv_executor, lambda: encode(engine.export_blocks(blocks)))
+            self._kv_executor, lambda: encode(engine.export_blocks(blocks, after=written)))
 
         def unpin(f: asyncio.Future) -> None:
             self._queue(engine.pool.release, [block for block, _ in blocks])

@@ -76,7 +76,8 @@ def test_a_stage_view_packs_its_blocks_inside_the_caches_blocks_it_holds(num_lay
 def test_on_cuda_a_layer_export_copies_on_its_side_stream_after_the_write_it_waits_for():
     """The engine thread queues a long computation, then writes a block, and marks the write; another
     thread exports the block after that mark, on the cache's side stream into pinned memory: it gets the
-    written values (not those before the write), while the computing stream is left alone."""
+    written values (not those before the write), while the computing stream is left alone. An import
+    lands its values through the same side stream."""
     import threading
 
     device = torch.device("cuda")
@@ -98,3 +99,7 @@ def test_on_cuda_a_layer_export_copies_on_its_side_stream_after_the_write_it_wai
     assert cache._copy_stream is not None and cache._copy_stream != torch.cuda.default_stream(device)
     whole = cache.export_blocks([(5, 55)], b"ns")[0]  # no mark: after everything queued so far
     assert bytes(whole.data)[len(whole.data) // 2:] == bytes(payload.data)
+    for _ in range(50):  # busy again: an import copies on the side stream, not behind this
+        big = (big @ big).clamp_(-1, 1)
+    cache.import_block(9, whole, b"ns")
+    assert torch.equal(cache.kv[:, :, 9 * 16:10 * 16], cache.kv[:, :, 5 * 16:6 * 16])
