@@ -22,6 +22,7 @@ transfers are charged for the modelled KV over the modelled network. Prints a ta
 import argparse
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -47,8 +48,9 @@ def cluster_for(args, model: str, transport: str, stream_kv: bool, stream_layers
                 "conductor.admission": "accept-all"}
     if model.startswith("emulated"):
         settings["engine.block_size"] = 64
-    return DevCluster(load_config(None, settings), num_cache=0,
-                      workdir=Path(tempfile.mkdtemp(prefix="bench-streaming-")), log_to_files=True)
+    mode = "layerwise" if stream_layers else "chunkwise" if stream_kv else "at_end"
+    return DevCluster(load_config(None, settings), num_cache=0, workdir=args.logs / f"{model}-{mode}",
+                      log_to_files=True)
 
 
 def run_model(args, model: str) -> dict:
@@ -95,12 +97,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="rounds; each runs every mode once, in a new order")
     parser.add_argument("--seed", type=int, default=0, help="of the rounds' orders and the bootstrap")
     parser.add_argument("--json", type=Path, default=Path("bench-results/streaming.json"))
+    parser.add_argument("--keep-logs", action="store_true", help="keep the clusters' logs (kept anyway on failure)")
     args = parser.parse_args()
 
     models = [m for m in args.models.split(",") if m]
     results = {"args": {k: str(v) for k, v in vars(args).items()}, "models": {}}
-    for model in models:
-        results["models"][model] = run_model(args, model)
+    args.logs = Path(tempfile.mkdtemp(prefix="bench-streaming-"))
+    try:
+        for model in models:
+            results["models"][model] = run_model(args, model)
+    except BaseException:
+        print(f"the clusters' logs are in {args.logs}", file=sys.stderr)
+        raise
+    if args.keep_logs:
+        print(f"the clusters' logs are in {args.logs}")
+    else:
+        shutil.rmtree(args.logs, ignore_errors=True)
     results["ttft_s"] = results["models"][models[0]]["ttft_s"]
     results["over_compute_only"] = results["models"][models[0]]["over_compute_only"]
 
