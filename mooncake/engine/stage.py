@@ -255,7 +255,7 @@ def run_local_pipeline(stages: list[PipelineStage], request_id: str, prompt_toke
                 size, data = inboxes[k].get(timeout=timeout_s)
                 if isinstance(data, BaseException):  # a stage before failed: pass it on to the caller
                     raise data
-                hidden = None if data is None else decode_hidden(data, stages[k].engine.device)
+                hidden = None if data is None else decode_hidden(data)  # `run` moves it to the device
                 out = stages[k].run(request_id, size, hidden)
                 inboxes[k + 1].put((size, out if last else encode_hidden(out)))
         except BaseException as exc:  # noqa: BLE001 - handed on, and raised by the caller
