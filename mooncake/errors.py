@@ -18,7 +18,12 @@ class UnsupportedModelError(ModelError):
 
 
 class InvalidRequestError(MooncakeError):
-    """A request's parameters are unusable (prompt too long, max_tokens <= 0, ...)."""
+    """A request's parameters are unusable (prompt too long, max_tokens <= 0, ...); `param`: the field at
+    fault, where the raiser names one (the API's 400 names it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class KVPayloadError(MooncakeError):

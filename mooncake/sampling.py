@@ -1,6 +1,8 @@
 """Per-request sampling parameters, validated on construction. In the shared layer: the API parses them,
 the conductor forwards them, and the engine samples with them."""
 
+import logging
+import math
 from dataclasses import dataclass
 
 import msgspec
@@ -8,7 +10,19 @@ import msgspec
 from mooncake.errors import InvalidRequestError
 
 
+log = logging.getLogger(__name__)
+
 MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's default limit)
+# NOTE: each bound below keeps one request's cost to the system small, whoever sends it: stop strings are
+# matched per token on the API's and the engine's text, stop token ids per token in the engine.
+MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_STOP_CHARS = 256  # per stop string
+MAX_STOP_TOKEN_IDS = 128
+SEED_LIMIT = 2**63  # seeds in [0, SEED_LIMIT): what every wire codec and torch's generator take
+INT_LIMIT = 2**31  # counts and token ids are below it (a request's true limits, context and vocabulary, are lower)
+# Temperatures in (0, MIN_TEMPERATURE) are raised to it, as vLLM does: logits / 1e-300 overflow to inf and the
+# distribution to NaN. Sampling at 0.01 is all but greedy already.
+MIN_TEMPERATURE = 0.01
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -34,19 +48,51 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest tokens'
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        _check_int("max_tokens", self.max_tokens, 1, INT_LIMIT)
+        _check_number("temperature", self.temperature, 0.0)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            log.debug("temperature %g raised to %g", self.temperature, MIN_TEMPERATURE)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
+        _check_number("top_p", self.top_p, 0.0)
         if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must not be empty")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        # NOTE: top_k and stop_token_ids are at most the vocabulary: checked where the vocabulary is known
+        _check_int("top_k", self.top_k, 0, INT_LIMIT)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, SEED_LIMIT)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}", "ignore_eos")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}", "stop")
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise InvalidRequestError(f"stop strings must be non-empty strings of at most {MAX_STOP_CHARS} "
+                                      "characters", "stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got "
+                                      f"{len(self.stop_token_ids)}", "stop_token_ids")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, 0, INT_LIMIT)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
+    """`value` is an int (not a bool) in [low, high)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name)
+    if value < low or high is not None and value >= high:
+        where = f"at least {low}" if high is None else f"in [{low}, {high})"
+        raise InvalidRequestError(f"{name} must be {where}, got {value}", name)
+
+
+def _check_number(name: str, value, low: float) -> None:
+    """`value` is a finite int or float (not a bool), at least `low`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
+    if value < low:
+        raise InvalidRequestError(f"{name} must be >= {low:g}, got {value}", name)

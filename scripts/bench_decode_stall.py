@@ -92,7 +92,7 @@ async def run(args) -> dict:
                     gaps[name].append(now - before[0])
                 last[out.request_id] = (now, name)
 
-    async def on_failed(ids, error):
+    async def on_failed(ids, error, is_invalid=False):
         failure.append(error)
 
     loop = EngineLoop(engine, on_outputs, on_failed)

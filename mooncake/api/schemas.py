@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import jinja2
 
-from mooncake.sampling import MAX_LOGPROBS, SamplingParams
+from mooncake.sampling import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SEED_LIMIT, SamplingParams
 from mooncake.errors import InvalidRequestError, MooncakeError
 from mooncake.text import encode_chat
 
@@ -117,7 +117,12 @@ def _stop_token_ids(body: dict, limits: ModelLimits) -> tuple[int, ...]:
     ids = body.get("stop_token_ids")
     if ids is None:
         return ()
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not isinstance(ids, list):
+        raise bad("'stop_token_ids' must be a list of token ids", "stop_token_ids", "invalid_type")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise bad(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}", "stop_token_ids",
+                  "invalid_value")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise bad("'stop_token_ids' must be a list of token ids", "stop_token_ids", "invalid_type")
     if limits.vocab_size and any(not 0 <= i < limits.vocab_size for i in ids):
         raise bad(f"'stop_token_ids' must be token ids below {limits.vocab_size}", "stop_token_ids",
@@ -183,9 +188,15 @@ def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_k
             stop_token_ids=_stop_token_ids(body, limits),
             ignore_eos=_field(body, "ignore_eos", (bool,), False), logprobs=logprobs)
     except InvalidRequestError as exc:
-        raise bad(str(exc)) from None
+        raise bad(str(exc), exc.param, "invalid_value") from None
     if params.temperature > 2:
         raise bad(f"'temperature' must be at most 2, got {params.temperature}", "temperature", "invalid_value")
+    if limits.vocab_size and params.top_k > limits.vocab_size:
+        raise bad(f"'top_k' must be at most the vocabulary size {limits.vocab_size} (0: no top-k), got "
+                  f"{params.top_k}", "top_k", "invalid_value")
+    if params.seed is not None and params.seed + n > SEED_LIMIT:  # choice i samples with seed + i
+        raise bad(f"'seed' + n - 1 must be below 2**63, got seed {params.seed} with n = {n}", "seed",
+                  "invalid_value")
     return ParsedRequest(model, prompt_ids, params, stream, include_usage, n)
 
 

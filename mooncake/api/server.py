@@ -179,9 +179,11 @@ class ApiServer:
                 if i and params.seed is not None:
                     params = dataclasses.replace(params, seed=params.seed + i)
                 flights.append(await self.conductor.submit(parsed.prompt_token_ids, params))
-        except (Rejected, Unavailable) as exc:
+        except BaseException as exc:  # NOTE: any refusal or failure lets go of the choices already placed
             for flight in flights:
                 self.conductor.abandon(flight)
+            if not isinstance(exc, (Rejected, Unavailable)):
+                raise
             if isinstance(exc, Rejected):
                 raise ApiError(429, str(exc), code=exc.reason, type_="rate_limit_error",
                                headers={"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None

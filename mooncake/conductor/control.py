@@ -68,14 +68,14 @@ class ControlPlane:
             self.ctx.term()
             self.ctx = None
 
-    async def send(self, instance_id: str, msg) -> bool:
+    async def send(self, instance_id: str, msg, frame: bytes | None = None) -> bool:
         """False when the instance is not connected (ROUTER_MANDATORY) or the socket is gone. An instance
         that is not connected is dead from now on, not a heartbeat timeout later; it re-registers when
-        it is back."""
+        it is back. `frame`: `msg` already encoded."""
         if self.ctx is None:
             return False
         try:
-            await self.router.send_multipart([instance_id.encode(), m.encode(msg)])
+            await self.router.send_multipart([instance_id.encode(), m.encode(msg) if frame is None else frame])
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY: not connected
             log.warning("cannot reach %s with %s: %s", instance_id, msg.TAG, exc)

@@ -18,6 +18,7 @@ from zmq.utils.monitor import parse_monitor_message
 from mooncake import messages as m
 from mooncake import security
 from mooncake.conductor.prefix_index import PrefixIndex
+from mooncake.runtime import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,14 @@ class PoolWatcher:
     def live_ids(self) -> frozenset[str]:
         return frozenset(self.node_ids.values())
 
-    def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._watch(address)) for address in self.nodes]
+    def start(self, supervisor: Supervisor | None = None) -> None:
+        """Watch every node. Under a `supervisor` (the conductor's) a watch that ends by an exception ends
+        the process: an index that silently stopped following a node would plan reads of blocks it lost."""
+        def spawn(coro, what):
+            return asyncio.create_task(coro) if supervisor is None else supervisor.spawn(coro, what)
+        self._tasks = [spawn(self._watch(address), f"the watch of cache node {address}") for address in self.nodes]
         if self.on_stats is not None:
-            self._tasks.append(asyncio.create_task(self._poll_stats()))
+            self._tasks.append(spawn(self._poll_stats(), "the cache nodes' stats poll"))
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -90,7 +90,7 @@ class Conductor:
         await self.control.start(self.supervisor, self.model.model_id, self.block_size, self.config.engine.kv_dtype)
         self.pool = PoolWatcher(self.config.cache_client.nodes, self.index, self.config.cache_client.timeout_s,
                                 on_stats=self.metrics.record_cache_stats)
-        self.pool.start()
+        self.pool.start(self.supervisor)
         log.info("conductor ready: model %s (%s), control %s, placement %s, admission %s%s",
                  self.config.engine.model, self.model.model_id, self.cfg.control_address, self.cfg.placement,
                  self.cfg.admission, f", CPP groups of {self.cfg.cpp_stages} for prompts over "
@@ -140,6 +140,9 @@ class Conductor:
                 self._end_leg(flight)
                 flight.num_legs, avoid = 0, avoid + exc.suspects
                 failure = exc
+            except BaseException:  # a bug, or a cancelled client: nothing of the request may stay counted
+                self._end(flight, "error")
+                raise
         self._end(flight, "error")
         raise Unavailable(f"{failure}; retry")
 
@@ -176,6 +179,12 @@ class Conductor:
         cluster = cluster_view(self.registry, self.flights, self.block_size, self.block_bytes, pool_nodes, now,
                                avoid, group_stages=stages, idle_step_s=self.estimators.decode_step.predict(1, 0))
         p = self.decider.decide(view, cluster, now, admit)
+        # NOTE: all or nothing: the leg's messages are built (and encoded) before anything of it is counted,
+        # so a request that cannot be sent leaves no load behind.
+        decode = self.registry.get(p.decode_id)
+        ships_kv = remaining > 1  # a request that ends with its first token never reaches decode
+        sends = self._prefill_sends(flight, self._next_wire_id(flight), p, tokens, hashes, decode, ships_kv,
+                                    flight.deadline_s - now)
         self._new_leg(flight, p, now)
         flight.block_hashes, flight.is_decode_sent = hashes, False
         if p.stage_ids:
@@ -189,50 +198,51 @@ class Conductor:
             # simulator charges it.
             flight.predicted_prefill_s = self.estimators.prefill_time.predict(len(tokens), reused) + p.transfer_s
         flight.decode_start_s = now + p.ttft_s
-        # NOTE: a request that ends with its first token never reaches decode, so it ships no KV there.
-        ships_kv = remaining > 1
         for instance_id in p.stage_ids or (p.prefill_id,):
             self._hold(flight, instance_id)
         if ships_kv:
             self._hold(flight, p.decode_id)
-        decode = self.registry.get(p.decode_id)
-        time_left_s = flight.deadline_s - now
-        if p.stage_ids:
-            return await self._send_stages(flight, p, tokens, hashes, decode, ships_kv, time_left_s)
-        if not await self.control.send(p.prefill_id, m.Prefill(
-                request_id=flight.wire_id, token_ids=tokens, block_hashes=hashes,
-                sampling=wire_sampling(flight.params), decode_id=decode.instance_id,
-                decode_transport=decode.transport, decode_address=decode.data_address if ships_kv else "",
-                reuse_blocks=p.reuse_blocks, deadline_s=max(0.01, min(self.cfg.prefill_timeout_s, time_left_s)))):
-            raise LegFailed(f"prefill instance {p.prefill_id} is unreachable", (p.prefill_id,))
+        for k, (instance_id, msg, frame) in enumerate(sends):
+            if not await self.control.send(instance_id, msg, frame):
+                what = f" (CPP stage {k})" if p.stage_ids else ""
+                raise LegFailed(f"prefill instance {instance_id}{what} is unreachable", (instance_id,))
 
-    async def _send_stages(self, flight: Flight, p: Placement, tokens: list[int], hashes: list[int], decode: Instance,
-                           ships_kv: bool, time_left_s: float) -> None:
-        """A CPP leg: a `PrefillStage` to every instance of the group, each told where the next stage is."""
-        addresses = [self.registry.get(i).data_address for i in p.stage_ids]
-        # NOTE: chunked as the conductor predicted it (cpp.chunk_bounds): one chunk when the uncached part is short
-        reused = min(p.reuse_blocks, (len(tokens) - 1) // self.block_size) * self.block_size  # the last is computed
-        bounds = self.decider.policy.cpp.chunk_bounds(len(tokens), reused)
-        for k, instance_id in enumerate(p.stage_ids):
-            if not await self.control.send(instance_id, m.PrefillStage(
-                    request_id=flight.wire_id, token_ids=tokens, block_hashes=hashes,
-                    sampling=wire_sampling(flight.params), stage=k, num_stages=len(p.stage_ids),
-                    chunk_tokens=max(1, bounds[1] - bounds[0]), next_address=(addresses + [""])[k + 1],
-                    decode_id=decode.instance_id, decode_address=decode.data_address if ships_kv else "",
-                    deadline_s=max(0.01, min(self.cfg.prefill_timeout_s, time_left_s)),
-                    reuse_blocks=p.reuse_blocks)):
-                raise LegFailed(f"prefill instance {instance_id} (CPP stage {k}) is unreachable", (instance_id,))
+    def _prefill_sends(self, flight: Flight, wire_id: str, p: Placement, tokens: list[int], hashes: list[int],
+                       decode: Instance, ships_kv: bool, time_left_s: float) -> list[tuple[str, object, bytes]]:
+        """(instance id, message, its encoding) of a leg's prefill: one `Prefill`, or for a CPP leg a
+        `PrefillStage` to every instance of the group, each told where the next stage is."""
+        sampling = wire_sampling(flight.params)
+        deadline_s = max(0.01, min(self.cfg.prefill_timeout_s, time_left_s))
+        decode_address = decode.data_address if ships_kv else ""
+        if not p.stage_ids:
+            msgs = [(p.prefill_id, m.Prefill(
+                request_id=wire_id, token_ids=tokens, block_hashes=hashes, sampling=sampling,
+                decode_id=decode.instance_id, decode_transport=decode.transport, decode_address=decode_address,
+                reuse_blocks=p.reuse_blocks, deadline_s=deadline_s))]
+        else:
+            addresses = [self.registry.get(i).data_address for i in p.stage_ids]
+            # NOTE: chunked as the conductor predicted it (cpp.chunk_bounds): one chunk when the uncached part is
+            # short
+            reused = min(p.reuse_blocks, (len(tokens) - 1) // self.block_size) * self.block_size  # the last is computed
+            bounds = self.decider.policy.cpp.chunk_bounds(len(tokens), reused)
+            msgs = [(instance_id, m.PrefillStage(
+                request_id=wire_id, token_ids=tokens, block_hashes=hashes, sampling=sampling, stage=k,
+                num_stages=len(p.stage_ids), chunk_tokens=max(1, bounds[1] - bounds[0]),
+                next_address=(addresses + [""])[k + 1], decode_id=decode.instance_id, decode_address=decode_address,
+                deadline_s=deadline_s, reuse_blocks=p.reuse_blocks)) for k, instance_id in enumerate(p.stage_ids)]
+        return [(instance_id, msg, m.encode(msg)) for instance_id, msg in msgs]
 
     async def _start_colocated_leg(self, flight: Flight, tokens: list[int], remaining: int, now: float,
                                    avoid: tuple[str, ...]) -> None:
         """The colocated baseline: the whole request to one instance, which prefills and decodes it."""
         p = place_colocated(self.registry, self.flights, avoid)
+        msg = m.Decode(request_id=self._next_wire_id(flight), token_ids=tokens, block_hashes=[],
+                       sampling=wire_sampling(flight.params, max_tokens=remaining))
+        frame = m.encode(msg)  # NOTE: before the leg is counted, as _start_leg's
         self._new_leg(flight, p, now)
         flight.block_hashes, flight.is_decode_sent = [], True
         self._hold(flight, p.decode_id)
-        if not await self.control.send(p.decode_id, m.Decode(
-                request_id=flight.wire_id, token_ids=tokens, block_hashes=[],
-                sampling=wire_sampling(flight.params, max_tokens=remaining))):
+        if not await self.control.send(p.decode_id, msg, frame):
             raise LegFailed(f"instance {p.decode_id} is unreachable", (p.decode_id,))
 
     def _new_leg(self, flight: Flight, p: Placement, now: float) -> None:
@@ -240,12 +250,17 @@ class Conductor:
         flight.num_wire_ids += 1
         if flight.num_legs == 1:
             flight.predicted_ttft_s, flight.predicted_tbt_s = p.ttft_s, p.tbt_s
-        # NOTE: a new id per leg: a late report or Cancel of an old leg never touches the new one.
-        n = flight.num_wire_ids
-        flight.wire_id = flight.request_id if n == 1 else f"{flight.request_id}.{n - 1}"
+        flight.wire_id = self._next_wire_id(flight, 0)
         flight.placement, flight.in_prefill = p, True
         self.flights[flight.wire_id] = flight
         flight.legs.append(Leg(flight.wire_id, p.prefill_id, p.decode_id, p.reuse_blocks, now))
+
+    @staticmethod
+    def _next_wire_id(flight: Flight, ahead: int = 1) -> str:
+        """The wire id of the request's next leg (`ahead` = 1), or of the one just counted (0)."""
+        # NOTE: a new id per leg: a late report or Cancel of an old leg never touches the new one.
+        n = flight.num_wire_ids + ahead
+        return flight.request_id if n == 1 else f"{flight.request_id}.{n - 1}"
 
     async def _run(self, flight: Flight):
         detok = IncrementalDetokenizer(self.tokenizer, flight.params.stop)

@@ -39,7 +39,7 @@ class DecodeWorker(Worker):
         self.transport = make_transport(self.config.instance.transport, self.config)
         self.data_address = await self.transport.start(self.inbox, self.config.instance.data_address or None)
         self._expiry = self.supervisor.spawn(self._expire(), "the KV inbox expiry")
-        await self.pool.start()
+        await self.pool.start(self.supervisor)
 
     async def stop_role(self) -> None:
         if self._expiry is not None:

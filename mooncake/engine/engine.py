@@ -97,6 +97,7 @@ class LLMEngine:
         # NOTE: "auto" is resolved by the instance's role (instance/worker.py); a bare engine batches.
         self.scheduler = Scheduler(config, self.pool, serial_prefill=config.prefill_batching == "serial")
         self.seqs: dict[str, Sequence] = {}
+        self.failed: list[tuple[str, str]] = []  # (request id, why): requests a step failed alone (drain_failed)
         self._importing: set[str] = set()  # request ids between begin_import and finish/cancel_import
         # Layer-wise KV streaming (a prefill instance's engine loop sets it): each step that fills blocks of
         # keep_kv requests pins them and calls layer_sink(i, filled, ready_at) once layer i's KV is written,
@@ -223,6 +224,8 @@ class LLMEngine:
                 self._hand_over_modelled_layers(filled, started, self.runner.modelled_step_s or 0.0)
             self.scheduler.on_computed(scheduled)
             tokens = sample(logits, sampled)
+            if None in tokens:
+                logits, sampled, tokens = self._drop_unsampled(logits, sampled, tokens)
             outputs = self._postprocess(sampled, tokens, logprobs_of(logits, sampled, tokens))
             self.last_modelled_s = self.runner.modelled_step_s
             if self.last_modelled_s:
@@ -234,6 +237,25 @@ class LLMEngine:
             if filled:
                 sink(None, filled, None)
         return outputs
+
+    def _drop_unsampled(self, logits: torch.Tensor, seqs: list[Sequence],
+                        tokens: list[int | None]) -> tuple[torch.Tensor, list[Sequence], list[int]]:
+        """Abort the sequences that got no token (their distribution is not finite) and note them in
+        `failed`; the rest of the batch goes on."""
+        keep = [i for i, token in enumerate(tokens) if token is not None]
+        for seq, token in zip(seqs, tokens):
+            if token is None:
+                log.warning("request %s: its next-token distribution is not finite (temperature %g); it fails "
+                            "alone", seq.seq_id, seq.params.temperature)
+                self.failed.append((seq.seq_id, "the model's next-token distribution for this request is not "
+                                    "finite (NaN or infinite logits)"))
+                self.abort(seq.seq_id)
+        return logits[keep], [seqs[i] for i in keep], [tokens[i] for i in keep]
+
+    def drain_failed(self) -> list[tuple[str, str]]:
+        """(request id, why) of the requests steps failed alone since the last call; each is aborted."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def _filling(self, scheduled: list) -> list[FilledBlocks]:
         """The prompt blocks of keep_kv requests that this step fills, pinned (see `layer_sink`)."""
@@ -261,8 +283,14 @@ class LLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
         """Run prompts to completion together (continuous batching); results in prompt order."""
         ids = [self.add_request(p, params) for p in prompts]
+        failed = {}
         while self.has_unfinished():
             self.step()
+            failed.update(self.drain_failed())
+        if failed:
+            for request_id in ids:
+                self.abort(request_id)
+            raise InvalidRequestError(f"{len(failed)} of {len(ids)} prompts failed: {next(iter(failed.values()))}")
         return [self.pop_completion(i) for i in ids]
 
     def pop_completion(self, request_id: str) -> Completion:
@@ -354,6 +382,10 @@ class LLMEngine:
         vocab = self.runner.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if params.top_k > vocab:
+            raise InvalidRequestError(f"top_k must be at most the vocabulary size {vocab}, got {params.top_k}", "top_k")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be token ids below {vocab}", "stop_token_ids")
         blocks_needed = -(-(n + params.max_tokens) // self.block_size)
         if blocks_needed > self.pool.num_blocks:
             raise InvalidRequestError(f"the request needs {blocks_needed} KV blocks; the cache has "

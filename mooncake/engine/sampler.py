@@ -1,5 +1,6 @@
 """Turns logits into next tokens: greedy rows in one argmax, sampled rows each with their own RNG; and,
-for the rows that ask, the chosen tokens' log-probabilities."""
+for the rows that ask, the chosen tokens' log-probabilities. A row whose distribution is not finite (NaN
+logits, or a temperature that overflows them) gets no token: that sequence fails alone, not the batch."""
 
 import torch
 
@@ -7,11 +8,17 @@ from mooncake.engine.sequence import Sequence
 from mooncake.sampling import TokenLogprob
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits: float32 [len(seqs), vocab]; returns one token id per sequence."""
-    tokens = logits.argmax(dim=-1).tolist()
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
+    """logits: float32 [len(seqs), vocab]; returns one token id per sequence, or None where the sequence's
+    distribution is not finite (it cannot be sampled)."""
+    chosen = logits.argmax(dim=-1)
+    # NOTE: argmax propagates NaN, so one gather of B values finds every greedy row with NaN logits.
+    is_nan = torch.isnan(logits.gather(1, chosen.unsqueeze(1))).squeeze(1).tolist()
+    tokens: list[int | None] = chosen.tolist()
     for i, seq in enumerate(seqs):
-        if not seq.params.is_greedy:
+        if is_nan[i]:
+            tokens[i] = None
+        elif not seq.params.is_greedy:
             tokens[i] = _sample_one(logits[i], seq)
     return tokens
 
@@ -35,7 +42,7 @@ def logprobs_of(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -
     return out
 
 
-def _sample_one(logits: torch.Tensor, seq: Sequence) -> int:
+def _sample_one(logits: torch.Tensor, seq: Sequence) -> int | None:
     params = seq.params
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
@@ -48,4 +55,6 @@ def _sample_one(logits: torch.Tensor, seq: Sequence) -> int:
         drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
+    if not bool(torch.isfinite(probs).all()):
+        return None
     return int(torch.multinomial(probs, 1, generator=seq.generator).item())

@@ -222,6 +222,9 @@ class PipelineStage:
         seq = Sequence(request_id, self.jobs[request_id].prompt, params, generator=generator)
         logits = logits.float()
         (token,) = sample(logits, [seq])
+        if token is None:
+            raise InvalidRequestError(f"request {request_id}: the model's next-token distribution is not finite "
+                                      "(NaN or infinite logits)")
         (logprob,) = logprobs_of(logits, [seq], [token])
         stops = token in params.stop_token_ids or (not params.ignore_eos and token in engine.runner.eos_token_ids)
         return token, logprob, "stop" if stops else "length" if params.max_tokens <= 1 else None

@@ -15,11 +15,12 @@ from typing import Awaitable, Callable
 
 from mooncake.engine import LLMEngine
 from mooncake.engine.engine import FilledBlocks, RequestOutput
+from mooncake.runtime import Supervisor
 
 log = logging.getLogger(__name__)
 
 OnOutputs = Callable[[list[RequestOutput]], Awaitable[None]]
-OnFailed = Callable[[list[str], str], Awaitable[None]]
+OnFailed = Callable[..., Awaitable[None]]  # (request ids, why, is_invalid=False): those requests ended here
 
 
 class EngineLoop:
@@ -40,8 +41,13 @@ class EngineLoop:
         # its start, to when the loop has its outputs: how far this box keeps the emulated pace.
         self.emulated_steps: deque[tuple[float, float]] = deque(maxlen=1024)
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+    def start(self, supervisor: Supervisor | None = None) -> None:
+        """Run the steps. Under a `supervisor` (every role's), a loop that ends by an exception (a bug in
+        `on_outputs`, say) ends the process rather than leaving one that heartbeats but steps no more."""
+        if supervisor is None:  # a bare loop (tests, benchmarks): its caller owns its failure
+            self._task = asyncio.create_task(self._run())
+        else:
+            self._task = supervisor.spawn(self._run(), "the engine loop")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -175,6 +181,9 @@ class EngineLoop:
                 await self.on_failed(request_ids, f"engine step failed: {exc}")
                 previous_end = None
                 continue
+            if failed := self.engine.drain_failed():  # sequences a step failed alone; the rest went on
+                for request_id, error in failed:
+                    await self.on_failed([request_id], error, is_invalid=True)
             ended = time.perf_counter()
             # NOTE: what the step cost its requests: from the previous step's (modelled) end when back to back.
             seconds = self.last_step_s = ended - since

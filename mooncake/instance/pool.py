@@ -21,12 +21,12 @@ class PoolAccess:
         self.client: CacheClient | None = None  # None: no pool (off, or no node answered at start)
         self._tasks: set[asyncio.Task] = set()
 
-    async def start(self) -> CacheClient | None:
+    async def start(self, supervisor=None) -> CacheClient | None:
         """The client, started, when `instance.use_cache_pool` is on; None otherwise or when the nodes
-        cannot be reached (said in the log)."""
+        cannot be reached (said in the log). `supervisor`: the role's, which watches the client's loops."""
         if not self.config.instance.use_cache_pool:
             return None
-        client = CacheClient(self.config.cache_client, lambda name: make_transport(name, self.config))
+        client = CacheClient(self.config.cache_client, lambda name: make_transport(name, self.config), supervisor)
         try:
             await client.start()  # NOTE: nodes down now are probed until they answer
         except TransferError as exc:

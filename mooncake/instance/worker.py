@@ -53,7 +53,7 @@ class Worker:
                               prefill_coef=prefill_coef, decode_coef=decode_coef)
         self.link = ConductorLink(self.config.instance.conductor_address, register, self.heartbeat,
                                   self.on_message, self.supervisor, on_registered=self.on_registered)
-        self.loop.start()
+        self.loop.start(self.supervisor)
         await self.link.start()
         log.info("%s ready: model %s, %d KV blocks, conductor %s", self.name, self.config.engine.model,
                  self.engine.pool.num_blocks, self.config.instance.conductor_address)
@@ -122,9 +122,9 @@ class Worker:
         log.warning("%s: request %s failed: %s", self.name, request_id, error)
         await self.link.send(m.RequestFailed(request_id=request_id, error=error, is_invalid=is_invalid))
 
-    async def on_failed(self, request_ids: list[str], error: str) -> None:
+    async def on_failed(self, request_ids: list[str], error: str, is_invalid: bool = False) -> None:
         for request_id in request_ids:
-            await self.report_failure(request_id, error)
+            await self.report_failure(request_id, error, is_invalid)
 
     # -- for the roles ------------------------------------------------------------------------------
 

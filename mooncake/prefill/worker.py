@@ -69,7 +69,7 @@ class PrefillWorker(Worker):
         # NOTE: it serves only the stage inbox: CPP stages of other instances send it activations.
         self.stages = PrefillStages(self, self.config.instance.kv_inbox_bytes)
         self.data_address = await self.transport.start(self.stages.inbox, self.config.instance.data_address or None)
-        self.cache = await self.pool.start()
+        self.cache = await self.pool.start(self.supervisor)
         self._deadlines = self.supervisor.spawn(self._enforce_deadlines(), "the deadline watch")
         if self.config.instance.stream_layers:
             self.loop.stream_layers(self._push_layer, wire_blocks)

@@ -23,6 +23,7 @@ from mooncake import messages as m
 from mooncake import security
 from mooncake.config import CacheClientConfig
 from mooncake.registry import load_backend
+from mooncake.runtime import Supervisor
 from mooncake.transfer.contract import TransferError, Transport, owned_bytes
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,12 @@ class _Node:
 
 
 class CacheClient:
-    def __init__(self, config: CacheClientConfig, make_transport: Callable[[str], Transport] | None = None):
+    def __init__(self, config: CacheClientConfig, make_transport: Callable[[str], Transport] | None = None,
+                 supervisor: Supervisor | None = None):
         self.config = config
+        # NOTE: a role's supervisor: a probe or watch loop that ends by an exception ends the process, rather than
+        # leaving a client that never sees a node come back or go away.
+        self.supervisor = supervisor
         # How to build the transport a node names (its [transport] settings); default: the backend as is.
         self.make_transport = make_transport or (lambda name: load_backend("transports", name)())
         self.ctx = zmq.asyncio.Context()
@@ -63,7 +68,10 @@ class CacheClient:
         for address in self.config.nodes:
             self.nodes.append(_Node(address, *self._connect(address), asyncio.Lock()))
         await asyncio.gather(*(self._hello(node) for node in self.nodes))
-        self._tasks = [asyncio.create_task(self._probe_down_nodes()), asyncio.create_task(self._watch_connections())]
+        loops = [(self._probe_down_nodes(), "the cache client's probe of down nodes"),
+                 (self._watch_connections(), "the cache client's connection watch")]
+        self._tasks = [asyncio.create_task(coro) if self.supervisor is None else self.supervisor.spawn(coro, what)
+                       for coro, what in loops]
 
     def _connect(self, address: str) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         sock = security.client(self.ctx.socket(zmq.DEALER))

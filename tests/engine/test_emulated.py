@@ -127,7 +127,7 @@ def test_back_to_back_steps_keep_the_emulated_devices_clock_when_the_host_hands_
     async def on_outputs(outputs):
         time.sleep(0.004)  # the loop is busy with something else when the next step ends
 
-    async def on_failed(request_ids, error):
+    async def on_failed(request_ids, error, is_invalid=False):
         raise AssertionError(error)
 
     async def main():

@@ -148,7 +148,7 @@ def test_the_engine_loop_imports_on_its_kv_thread_while_streams_step(cfg, source
         for out in outputs:
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
 
-    async def on_failed(ids, error):
+    async def on_failed(ids, error, is_invalid=False):
         raise AssertionError(error)
 
     async def run():

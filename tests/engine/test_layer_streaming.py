@@ -65,7 +65,7 @@ def test_decode_from_layer_slices_streamed_through_the_engine_loop_equals_genera
         async def on_outputs(outputs):
             pass
 
-        async def on_failed(ids, error):
+        async def on_failed(ids, error, is_invalid=False):
             raise AssertionError(error)
 
         loop = EngineLoop(prefill, on_outputs, on_failed)
