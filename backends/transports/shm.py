@@ -15,6 +15,7 @@ of each 4 KiB page otherwise costs a fault that, on this kind of host, takes lon
 import asyncio
 import mmap
 import os
+import stat
 import time
 import uuid
 import weakref
@@ -55,7 +56,7 @@ def check_same_host(header: dict, peer: str | None = None) -> None:
 
 def open_private(path: Path | str):
     """A new segment file, mode 0600: only processes of our own user may map the blocks in it."""
-    return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "w+b")
+    return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "w+b")
 PREFIX = "mooncake-shm-"
 POPULATE_MAX_BYTES = 4 << 30  # larger peer files fault their pages in as they are touched
 WINDOW_BYTES = 32 << 20  # write window asked of a cache node, or 4 puts' worth if more (it may lend less)
@@ -118,8 +119,13 @@ class ShmTransport(StagedTransport):
         if path.parent != SHM_DIR or not path.name.startswith(PREFIX):
             raise ValueError(f"refusing shared-memory path {path}")
         self._unmap_gone_peers()
-        with open(path, "r+b" if writable else "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # NOTE: never through a link, and only a regular file of our own user: /dev/shm is writable by everyone.
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with open(fd, "r+b" if writable else "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                raise ValueError(f"refusing shared-memory path {path}: not a regular file of this user")
+            size = info.st_size
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if size <= POPULATE_MAX_BYTES else 0)
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             mapping = self._peer_maps[(path_text, writable)] = mmap.mmap(f.fileno(), 0, flags=flags, prot=prot)
