@@ -221,6 +221,28 @@ class ConductorConfig:
                "must be a ZeroMQ address like tcp://127.0.0.1:7700")
 
 
+PLACEHOLDER_KEYS = ("change-me", "changeme", "secret", "sk-xxx")  # refused as API keys: a key a reader can guess
+
+
+@dataclass(frozen=True)
+class ApiKeyConfig:
+    """One client's API key (`[[api.keys]]`), with limits of its own."""
+
+    key: str = ""
+    name: str = ""  # in logs and errors; empty: "key <n>"
+    max_concurrent_requests: int = 0  # choices in flight at once; 0: no limit
+    max_outstanding_tokens: int = 0  # prompt + max_tokens of its choices in flight; 0: no limit
+    # Its requests' prefix cache is its own: the salt enters their block hash chain, so no other client
+    # reuses their blocks or learns from `cached_tokens` what they sent; empty: the shared cache.
+    cache_salt: str = ""
+
+    def __post_init__(self):
+        _check(len(self.key) >= 16 and self.key not in PLACEHOLDER_KEYS, "api.keys[].key",
+               "must be a secret of at least 16 characters (`openssl rand -hex 32`)")
+        _check(self.max_concurrent_requests >= 0, "api.keys[].max_concurrent_requests", "must be >= 0")
+        _check(self.max_outstanding_tokens >= 0, "api.keys[].max_outstanding_tokens", "must be >= 0")
+
+
 @dataclass(frozen=True)
 class ApiConfig:
     """The conductor's OpenAI-compatible HTTP endpoint (mooncake/api/)."""
@@ -228,14 +250,39 @@ class ApiConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str = ""  # non-empty: every /v1 request needs "Authorization: Bearer <api_key>"
+    keys: tuple[ApiKeyConfig, ...] = ()  # more keys, each with its own limits and prefix cache ([[api.keys]])
     model_name: str = ""  # the name clients use in "model"; empty: engine.model
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 512  # chat requests that name no max_tokens (capped by the context left)
+    # Host names a request may name when no key is set, beside loopback's and api.host (a web page the
+    # user visits cannot then drive a keyless API through DNS rebinding)
+    allowed_hosts: tuple[str, ...] = ()
+    header_timeout_s: float = 10.0  # a request's headers arrive within this; an idle connection is closed after it
+    body_timeout_s: float = 30.0  # a request's body arrives within this once its headers are in
+    max_connections: int = 1024  # open client connections at most; past that, a new one gets 503 and is closed
+    tls_cert: str = ""  # PEM certificate chain: serve HTTPS (with api.tls_key)
+    tls_key: str = ""
+    metrics_key: str = ""  # non-empty: /metrics and /health need "Authorization: Bearer <metrics_key>"
 
     def __post_init__(self):
         _check(0 <= self.port < 65536, "api.port", "must be a TCP port (0 picks a free one)")
         _check(self.default_max_tokens > 0, "api.default_max_tokens", "must be > 0")
         _check(self.max_body_bytes > 0, "api.max_body_bytes", "must be > 0")
+        _check(self.api_key not in PLACEHOLDER_KEYS, "api.api_key",
+               f"is the placeholder {self.api_key!r}: set a secret of your own (`openssl rand -hex 32`)")
+        _check(self.metrics_key not in PLACEHOLDER_KEYS, "api.metrics_key",
+               f"is the placeholder {self.metrics_key!r}: set a secret of your own")
+        _check(len({k.key for k in self.keys} | ({self.api_key} if self.api_key else set())) ==
+               len(self.keys) + bool(self.api_key), "api.keys", "must not repeat a key (api.api_key included)")
+        _check(self.header_timeout_s > 0, "api.header_timeout_s", "must be > 0")
+        _check(self.body_timeout_s > 0, "api.body_timeout_s", "must be > 0")
+        _check(self.max_connections > 0, "api.max_connections", "must be > 0")
+        _check(bool(self.tls_cert) == bool(self.tls_key), "api.tls_cert",
+               "and api.tls_key go together: set both to serve HTTPS, or neither")
+
+    @property
+    def is_keyed(self) -> bool:
+        return bool(self.api_key or self.keys)
 
 
 ROLES = ("prefill", "decode")

@@ -11,7 +11,6 @@ request, and the conductor frees it on every instance."""
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
 import logging
 import time
@@ -19,6 +18,7 @@ import uuid
 
 from aiohttp import web
 
+from mooncake.api.edge import TENANT, Edge, check_exposure, limit_connections, read_body, tls_context
 from mooncake.api.responses import Shape, usage
 from mooncake.api.schemas import (ApiError, ModelLimits, bad, check_model, parse_chat, parse_completion,
                                   parse_detokenize, parse_tokenize)
@@ -28,7 +28,6 @@ from mooncake.errors import MooncakeError
 
 log = logging.getLogger(__name__)
 
-KEYED_PATHS = ("/tokenize", "/detokenize")  # beside /v1/*: what needs the API key when one is set
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
@@ -49,7 +48,9 @@ class ApiServer:
         c = self.conductor
         self.limits = ModelLimits((self.model_name, c.model.model_id), c.max_model_len,
                                   c.model.config.get("vocab_size", 0), self.cfg.default_max_tokens)
-        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors, self._auth])
+        check_exposure(self.config)
+        self.edge = Edge(self.cfg)
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors, self.edge.middleware])
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/v1/models", self.models), web.get("/v1/models/{model_id}", self.model),
@@ -57,9 +58,14 @@ class ApiServer:
                         web.get("/health", self.health),
                         web.get("/metrics", self.metrics)])
         # NOTE: handler_cancellation: a client that goes away cancels its handler, which cancels the request.
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # keepalive_timeout: aiohttp closes a connection whose next request is not read by then, so it bounds
+        # both an idle connection and one whose headers trickle in (slowloris).
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                    keepalive_timeout=self.cfg.header_timeout_s)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port)
+        limit_connections(self.runner.server, self.cfg.max_connections)
+        tls = tls_context(self.cfg)
+        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port, ssl_context=tls)
         try:
             await site.start()
         except OSError as exc:
@@ -67,7 +73,7 @@ class ApiServer:
             raise MooncakeError(f"REST API: cannot listen on api.host:api.port = {self.cfg.host}:{self.cfg.port}: "
                                 f"{exc}") from None
         port = site._server.sockets[0].getsockname()[1]
-        self.url = f"http://{self.cfg.host}:{port}"
+        self.url = f"{'https' if tls else 'http'}://{self.cfg.host}:{port}"
         log.info("REST API at %s/v1 (model '%s')", self.url, self.model_name)
 
     async def stop(self) -> None:
@@ -82,7 +88,10 @@ class ApiServer:
         try:
             return await handler(request)
         except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+            response = web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+            if exc.status == 408:  # NOTE: the rest of the body may still come: the connection cannot go on
+                response.force_close()
+            return response
         except web.HTTPRequestEntityTooLarge:
             return web.json_response(ApiError(413, f"the request body is over {self.cfg.max_body_bytes} bytes")
                                      .body(), status=413)
@@ -93,14 +102,11 @@ class ApiServer:
             return web.json_response(ApiError(500, "internal error; see the conductor's log",
                                               type_="server_error").body(), status=500)
 
-    @web.middleware
-    async def _auth(self, request, handler):
-        if self.cfg.api_key and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, f"Bearer {self.cfg.api_key}".encode()):  # constant time
-                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
-        return await handler(request)
+    async def _json(self, request):
+        try:
+            return json.loads(await read_body(request, self.cfg.body_timeout_s))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise bad(f"the request body is not valid JSON: {exc}") from None
 
     # -- routes ---------------------------------------------------------------------------------------
 
@@ -116,11 +122,11 @@ class ApiServer:
         return web.json_response(self._model_card())
 
     async def tokenize(self, request):
-        ids = parse_tokenize(await _json(request), self.conductor.tokenizer, self.limits)
+        ids = parse_tokenize(await self._json(request), self.conductor.tokenizer, self.limits)
         return web.json_response({"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids})
 
     async def detokenize(self, request):
-        ids = parse_detokenize(await _json(request), self.limits)
+        ids = parse_detokenize(await self._json(request), self.limits)
         return web.json_response({"prompt": self.conductor.tokenizer.decode(ids)})
 
     async def health(self, request):
@@ -139,15 +145,17 @@ class ApiServer:
         return await self._serve(request, parse_chat, chat=True)
 
     async def _serve(self, request, parse, chat: bool):
-        body = await _json(request)
+        body = await self._json(request)
         parsed = parse(body, self.conductor.tokenizer, self.limits)
-        flights = await self._submit(parsed)
-        try:
-            return await self._answer(request, body, parsed, flights, chat)
-        finally:
-            # NOTE: a client that goes away before a stream starts must not leave its requests behind.
-            for flight in flights:
-                self.conductor.abandon(flight)
+        tokens = parsed.n * (len(parsed.prompt_token_ids) + parsed.params.max_tokens)
+        with self.edge.admitted(request[TENANT], parsed.n, tokens):
+            flights = await self._submit(parsed)
+            try:
+                return await self._answer(request, body, parsed, flights, chat)
+            finally:
+                # NOTE: a client that goes away before a stream starts must not leave its requests behind.
+                for flight in flights:
+                    self.conductor.abandon(flight)
 
     async def _answer(self, request, body, parsed, flights: list, chat: bool):
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -229,11 +237,6 @@ class ApiServer:
         return response
 
 
-async def _json(request):
-    try:
-        return json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad(f"the request body is not valid JSON: {exc}") from None
 
 
 async def _send(response, obj: dict) -> None:

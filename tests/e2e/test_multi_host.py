@@ -25,7 +25,7 @@ from tests.transfer.test_transport_contract import available
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "multi-host"
 BLOCK = E2E_SETTINGS["engine.block_size"]
-API_KEY = "change-me"  # configs/multi-host/conductor.toml
+API_KEY = "multi-host-test-" + uuid.uuid4().hex  # what the README says to put in configs/multi-host/conductor.toml
 # host index (its address is 198.18.N.(10 + index), as in the shipped files), role, shipped file
 LAYOUT = [(0, "conductor", "conductor.toml"),
           (1, "cache", "cache-0.toml"), (1, "prefill", "prefill.toml"),
@@ -57,6 +57,8 @@ class MultiHost:
         shipped = self.workdir / f"shipped-{name}"
         shipped.write_text(text)
         settings = {k: v for k, v in E2E_SETTINGS.items() if k != "api.port"}
+        if role == "conductor":
+            settings["api.api_key"] = API_KEY
         config = load_config(shipped, {**settings, "instance.transport": self.transport,
                                        "cache.transport": self.transport,
                                        "security.keys_dir": str(self.keys_dir)})
