@@ -43,7 +43,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request_everywhere(clust
                        "stream": True}).encode()
     host, port = cluster.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
         received = b""
         while received.count(b"data: ") < 3:

@@ -173,7 +173,7 @@ def test_a_client_that_goes_away_before_the_first_token_leaves_nothing_behind(cl
     try:
         host, port = cluster.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=30) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
             wait_for(lambda: len(holders(cluster, "prefill")) == 1, 10, "the request placed on a prefill instance")
             time.sleep(0.3)  # transferring: prefill has computed and is pushing
@@ -208,7 +208,7 @@ def test_a_client_that_goes_away_while_its_prefix_is_read_from_the_pool_leaves_n
         data = json.dumps({**body, "prompt": body["prompt"] + " again", "stream": True}).encode()
         host, port = cluster.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=30) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(data) + data)
             wait_for(lambda: holders(cluster, "prefill") == ["prefill-1"], 10, "the request on prefill-1")
             time.sleep(0.3)
