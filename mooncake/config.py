@@ -473,4 +473,7 @@ def _toml_value(value) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value):  # an inline table ([[api.keys]] entries)
+        return "{" + ", ".join(f"{f.name} = {_toml_value(getattr(value, f.name))}"
+                               for f in dataclasses.fields(value)) + "}"
     raise ConfigError(f"cannot write {value!r} as TOML")

@@ -32,6 +32,18 @@ def make_namespace(model_id: str, block_size: int, dtype: str) -> bytes:
     return f"{model_id}/bs{block_size}/{dtype}".encode()
 
 
+def salt_root(*salts: str) -> int:
+    """The root of a request's block hash chain (the parent of its first block): ROOT_HASH for the shared
+    prefix cache, else a hash of its cache salts (an API key's, then the request's `cache_salt`). Requests
+    with different salts share no block, so no client reuses another's KV or learns from `cached_tokens`
+    what another sent, as vLLM's `cache_salt`."""
+    if not any(salts):
+        return ROOT_HASH
+    # NOTE: each salt length-prefixed, so no request's salt can spell another key's salt and request salt.
+    encoded = b"mooncake cache salt" + b"".join(len(b := s.encode()).to_bytes(4, "little") + b for s in salts)
+    return xxhash.xxh3_64_intdigest(encoded, seed=HASH_SEED) or 1  # never the shared root
+
+
 def hash_block(parent_hash: int, token_ids: Sequence[int], namespace: bytes) -> int:
     """Hash of one block given its parent's hash."""
     h = xxhash.xxh3_64(seed=HASH_SEED)

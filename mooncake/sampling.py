@@ -46,6 +46,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest tokens'
+    # The root of the request's block hash chain (hashing.salt_root): 0 shares the prefix cache; a salted
+    # request's blocks are its salt's alone, on every role that hashes them.
+    prefix_root: int = 0
 
     def __post_init__(self):
         _check_int("max_tokens", self.max_tokens, 1, INT_LIMIT)
@@ -75,6 +78,7 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, 0, INT_LIMIT)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_int("prefix_root", self.prefix_root, 0, 2**64)
 
     @property
     def is_greedy(self) -> bool:

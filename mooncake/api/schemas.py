@@ -32,9 +32,11 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     n: int = 1  # choices: each its own request (with seed + i when a seed is given)
+    cache_salt: str = ""  # vLLM's: a prefix cache of its own, shared only with requests of the same salt
 
 
 MAX_CHOICES = 16  # `n` at most
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -197,7 +199,10 @@ def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_k
     if params.seed is not None and params.seed + n > SEED_LIMIT:  # choice i samples with seed + i
         raise bad(f"'seed' + n - 1 must be below 2**63, got seed {params.seed} with n = {n}", "seed",
                   "invalid_value")
-    return ParsedRequest(model, prompt_ids, params, stream, include_usage, n)
+    cache_salt = _field(body, "cache_salt", (str,), "")
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise bad(f"'cache_salt' must be at most {MAX_CACHE_SALT_CHARS} characters", "cache_salt", "invalid_value")
+    return ParsedRequest(model, prompt_ids, params, stream, include_usage, n, cache_salt)
 
 
 def parse_completion(body, tokenizer, limits: ModelLimits) -> ParsedRequest:

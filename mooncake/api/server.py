@@ -25,6 +25,7 @@ from mooncake.api.schemas import (ApiError, ModelLimits, bad, check_model, parse
 from mooncake.conductor.service import Conductor, Rejected, RequestError, Unavailable
 from mooncake.config import MooncakeConfig
 from mooncake.errors import MooncakeError
+from mooncake.hashing import salt_root
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +148,12 @@ class ApiServer:
     async def _serve(self, request, parse, chat: bool):
         body = await self._json(request)
         parsed = parse(body, self.conductor.tokenizer, self.limits)
+        tenant = request[TENANT]
+        if tenant.cache_salt or parsed.cache_salt:  # NOTE: a key's salt first: no request names its way out of it
+            salted = dataclasses.replace(parsed.params, prefix_root=salt_root(tenant.cache_salt, parsed.cache_salt))
+            parsed = dataclasses.replace(parsed, params=salted)
         tokens = parsed.n * (len(parsed.prompt_token_ids) + parsed.params.max_tokens)
-        with self.edge.admitted(request[TENANT], parsed.n, tokens):
+        with self.edge.admitted(tenant, parsed.n, tokens):
             flights = await self._submit(parsed)
             try:
                 return await self._answer(request, body, parsed, flights, chat)

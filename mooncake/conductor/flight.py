@@ -130,5 +130,5 @@ def wire_sampling(params: SamplingParams, max_tokens: int | None = None) -> dict
     """The sampling fields instances need; stop strings stay here (the conductor matches them on text)."""
     wire = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
             "seed": params.seed, "ignore_eos": params.ignore_eos, "stop_token_ids": list(params.stop_token_ids),
-            "logprobs": params.logprobs}
+            "logprobs": params.logprobs, "prefix_root": params.prefix_root}
     return wire if max_tokens is None else {**wire, "max_tokens": max_tokens}

@@ -171,7 +171,7 @@ class Conductor:
         remaining = flight.params.max_tokens - len(flight.generated)
         if self.cfg.mode == "colocated":
             return await self._start_colocated_leg(flight, tokens, remaining, now, avoid)
-        hashes = hash_blocks(tokens, self.block_size, self.namespace)
+        hashes = hash_blocks(tokens, self.block_size, self.namespace, flight.params.prefix_root)
         view = RequestView(flight.request_id, len(tokens), tuple(hashes), remaining, now)
         pool_nodes = self.pool.live_ids if self.pool is not None else frozenset()
         cpp = self.decider.policy.cpp

@@ -165,7 +165,7 @@ class LLMEngine:
             generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         seq = Sequence(seq_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                        generator=generator, keep_kv=keep_kv)
-        seq.block_hashes = hash_blocks(seq.prompt_token_ids, self.block_size, self.namespace)
+        seq.block_hashes = hash_blocks(seq.prompt_token_ids, self.block_size, self.namespace, params.prefix_root)
         return seq
 
     def finish_import(self, pending: PendingImport) -> str:
@@ -401,7 +401,7 @@ class LLMEngine:
             if seq.first_token_s is None:
                 seq.first_token_s = now
             if seq.num_tokens % self.block_size == 0:  # a block just filled: extend the hash chain
-                parent = seq.block_hashes[-1] if seq.block_hashes else 0
+                parent = seq.block_hashes[-1] if seq.block_hashes else seq.params.prefix_root
                 seq.block_hashes.append(hash_block(parent, seq.token_ids[-self.block_size:], self.namespace))
             reason = self._finish_reason(seq, token)
             if reason:

@@ -110,7 +110,8 @@ class PipelineStage:
         self.view = engine.kv_cache.stage_view(layers)
         self.jobs: dict[str, _Job] = {}
 
-    def begin(self, request_id: str, prompt_token_ids: list[int], prefix: list[KVPayload] = ()) -> None:
+    def begin(self, request_id: str, prompt_token_ids: list[int], prefix: list[KVPayload] = (),
+              prefix_root: int = 0) -> None:
         """Hold blocks for the prompt; InvalidRequestError when the cache has no room or the id is taken.
         `prefix`: whole-block payloads of the prompt's leading blocks (read from the cache pool), at most
         `reusable_blocks`: this stage's layers of them are copied in and the prompt's chunks start after
@@ -120,7 +121,7 @@ class PipelineStage:
             raise InvalidRequestError(f"request id {request_id!r} is already in this stage")
         if not 0 < n < engine.max_model_len:
             raise InvalidRequestError(f"the prompt has {n} tokens; the context length is {engine.max_model_len}")
-        hashes = hash_blocks(prompt_token_ids, engine.block_size, engine.namespace)
+        hashes = hash_blocks(prompt_token_ids, engine.block_size, engine.namespace, prefix_root)
         if len(prefix) > reusable_blocks(n, engine.block_size):
             raise InvalidRequestError(f"a {n}-token prompt reuses at most {reusable_blocks(n, engine.block_size)} "
                                       f"blocks, not {len(prefix)}: its last token is computed")

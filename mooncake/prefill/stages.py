@@ -104,7 +104,7 @@ class PrefillStages:
         try:
             prefix, fetched_bytes, fetch_s = await self._read_prefix(job)
             # NOTE: on the engine's thread: copying a long prefix in would stall the event loop
-            await worker.loop.call_on_engine_thread(stage.begin, rid, msg.token_ids, prefix)
+            await worker.loop.call_on_engine_thread(stage.begin, rid, msg.token_ids, prefix, params.prefix_root)
             computing = time.perf_counter()
         except InvalidRequestError as exc:
             self.jobs.pop(rid, None)
