@@ -35,6 +35,11 @@ clean:
 # `mooncake`, so it is unpacked into its own directory instead of site-packages (see
 # backends/transports/mooncake_te.py). Needs the Debian packages libibverbs1 and ibverbs-providers.
 MOONCAKE_TE := mooncake-transfer-engine-non-cuda==0.3.13.post1
+# The sha256 of its wheels on PyPI (x86_64; CPython 3.11, 3.12, 3.13): pip installs no other file, and never
+# builds one from source.
+MOONCAKE_TE_SHA256 := ca9f668a04ffe648b250fda28b97d0a7da149cb110dec5cf3d166a9e68afc940 \
+                      892fd0ee77d736fc8d625981c485a43282dbdbc0926b95f05c1cadd8b0debe51 \
+                      0f97a95a3af7ac7532affe5badc4128c71d7bff8740118fea9a8bbbbc65dd578
 # The engine's library needs libibverbs.so.1: as root with apt-get, `make` installs the two packages;
 # elsewhere (or with DEB_INSTALL=no) the `mooncake` transport's tests are skipped, naming the install line.
 DEB_PACKAGES := libibverbs1 ibverbs-providers
@@ -50,7 +55,9 @@ $(VENV)/mooncake-te/.installed: $(VENV)/.installed
 	         "to run them: sudo apt-get install $(DEB_PACKAGES)"; \
 	  fi; \
 	fi
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --target $(VENV)/mooncake-te '$(MOONCAKE_TE)'
+	printf '%s' '$(MOONCAKE_TE)' $(foreach h,$(MOONCAKE_TE_SHA256), ' --hash=sha256:$(h)') > $(VENV)/mooncake-te.txt
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: --require-hashes \
+	  --target $(VENV)/mooncake-te -r $(VENV)/mooncake-te.txt
 	touch $@
 
 mooncake-te: $(VENV)/mooncake-te/.installed

