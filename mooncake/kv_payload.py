@@ -4,7 +4,7 @@ laid out [layer][k|v][token][kv_head][dim], with its hash, model namespace, dtyp
 Wire form: u32 LE header length || u64 LE xxh3 of the header || msgpack header || raw bytes. The header
 carries the raw bytes' checksum, and the header's own hash covers the header, so a payload is checked end
 to end by its consumer alone: transports move it without hashing it again (`self_checked`,
-mooncake/transfer/contract.py). `from_bytes` checks the header; `verify()` the bytes and the metadata.
+mooncake/transfer/contract.py), and bind it to their sealed header by that header hash (`bound_digest`). `from_bytes` checks the header; `verify()` the bytes and the metadata.
 A receiver treats a failure as a miss."""
 
 import struct
@@ -75,6 +75,20 @@ class KVPayload:
                        data=data)
         except (struct.error, KeyError, ValueError, TypeError, msgpack.UnpackException) as exc:
             raise KVPayloadError(f"malformed KV payload: {exc}") from None
+
+
+BOUND_MASK = (1 << 62) - 1
+
+
+def bound_digest(block) -> int:
+    """What a sealed transport header names for an encoded payload, binding its bytes to the seal at no
+    cost: the payload header's own xxh3 (bytes 4..12), which covers the data's checksum, so a consumer that
+    checks the payload (`from_bytes`, `verify`) checks every byte against the seal. Negative (at most -2),
+    so no transport takes it for a checksum of the bytes; -2 for a block too short to be a payload."""
+    view = memoryview(block).cast("B")
+    if len(view) < _PREFIX.size:
+        return -2
+    return -2 - (struct.unpack_from("<Q", view, 4)[0] & BOUND_MASK)
 
 
 def wire_blocks(payloads: list[KVPayload]) -> list[tuple[int, bytes]]:

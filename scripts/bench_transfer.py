@@ -8,7 +8,11 @@ of 1, 4 and 16 MiB and one block of the default model. Prints a table, writes JS
 
 `--netns`: the same rows for raw ZeroMQ, tcp and mooncake between two hosts made of network namespaces
 (mooncake/netns.py; root), each with authentication off and on (CURVE with a cluster key pair, as the
-roles run it), and what authentication costs: the data path's price of "only the cluster talks"."""
+roles run it), and what authentication costs: the data path's price of "only the cluster talks".
+
+`--netns --baseline REF`: this tree's --netns rows beside those of git revision REF (checked out in a
+temporary worktree), in rounds that alternate which goes first; prints each cell's median ratio this/REF
+and writes both tables and the ratios (what a change to the data path costs, on the same box, same run)."""
 
 import argparse
 import asyncio
@@ -31,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 from mooncake import security  # noqa: E402
 from mooncake.config import CacheClientConfig, load_config  # noqa: E402
 from mooncake.hashing import checksum  # noqa: E402
-from mooncake.transfer.contract import SELF_CHECKED, BlockLocation, BlockService  # noqa: E402
+from mooncake.kv_payload import bound_digest  # noqa: E402
+from mooncake.transfer.contract import BlockLocation, BlockService  # noqa: E402
 from mooncake.registry import load_backend  # noqa: E402
 from mooncake.runtime import tune_allocator  # noqa: E402
 from scripts.transfer_report import report, report_netns, write_json  # noqa: E402
@@ -75,7 +80,7 @@ async def serve_transport(name: str, sizes: list[int], host: str = "127.0.0.1") 
     sink = Sink()
     for size in sizes:  # blocks the client will fetch: hashed each time, and one that carries its own check
         sink.blocks[size] = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8).tobytes()
-        sink.put_block(size + 1, sink.blocks[size], SELF_CHECKED)
+        sink.put_block(size + 1, sink.blocks[size], bound_digest(sink.blocks[size]))
     print(await transport.start(sink), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the client closes it
     await transport.stop()
@@ -391,6 +396,42 @@ def run_netns(args) -> None:
             raise SystemExit(f"the client in {client.netns} failed with status {proc.returncode}")
 
 
+def run_baseline(args) -> None:
+    """--baseline REF: --netns rows of this tree and of REF, rounds alternating; ratios this/REF."""
+    import tempfile
+    rows: dict[str, list[dict]] = {"this": [], "baseline": []}
+    with tempfile.TemporaryDirectory(prefix="bench-baseline-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), args.baseline],
+                       check=True)
+        try:
+            for i in range(args.rounds):
+                order = [("this", ROOT), ("baseline", tree)][::1 if i % 2 == 0 else -1]
+                for label, root in order:
+                    out = Path(tmp) / f"{label}-{i}.json"
+                    print(f"round {i + 1}/{args.rounds}: {label} ({root})", flush=True)
+                    subprocess.run([sys.executable, str(root / "scripts" / "bench_transfer.py"), "--netns",
+                                    "--transports", args.transports, "--budget-mib", str(args.budget_mib),
+                                    "--window", str(args.window), "--out", str(out)], cwd=root, check=True,
+                                   stdout=subprocess.DEVNULL)
+                    rows[label].append(json.loads(out.read_text()))
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    sizes = list(rows["this"][0])
+    cells = [c for c in rows["this"][0][sizes[0]] if c in rows["baseline"][0][sizes[0]] and c.startswith("tcp_")]
+    ratios = {size: {c: float(np.median([t[size][c] / b[size][c] for t, b in zip(rows["this"], rows["baseline"])]))
+                     for c in cells} for size in sizes}
+    print(f"\nthis tree over {args.baseline} (median of {args.rounds} rounds; > 1: faster)")
+    print(f"{'cell':<28}" + "".join(f"{int(s) / MiB:>10.2f} MiB" for s in sizes))
+    for c in cells:
+        print(f"{c:<28}" + "".join(f"{ratios[s][c]:>14.3f}" for s in sizes))
+    out = ROOT / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"baseline": args.baseline, "rounds": args.rounds, "ratios": ratios,
+                               "this": rows["this"], "baseline_rows": rows["baseline"]}, indent=2))
+    print(f"\nwrote {out}")
+
+
 def main() -> None:
     tune_allocator()  # every role process runs with it (mooncake/runtime.py), and so do these
     try:  # every role runs on uvloop (mooncake/runtime.py): measure on it too
@@ -407,6 +448,8 @@ def main() -> None:
                         "bench-results/transfer-netns.json)")
     parser.add_argument("--netns", action="store_true", help="between two network-namespace hosts (root), "
                         "raw ZeroMQ, tcp and mooncake, authentication off and on")
+    parser.add_argument("--baseline", metavar="REF", help="with --netns: beside git revision REF, ratios this/REF")
+    parser.add_argument("--rounds", type=int, default=3, help="with --baseline: rounds, each running both trees")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--keys", help=argparse.SUPPRESS)
@@ -415,6 +458,9 @@ def main() -> None:
     args = parser.parse_args()
     args.out = args.out or f"bench-results/transfer{'-netns' if args.netns or args.netns_client else ''}.json"
     sizes = [1 * MiB, MODEL_BLOCK, 4 * MiB, 16 * MiB]
+    if args.netns and args.baseline:
+        args.out = args.out if args.out != "bench-results/transfer-netns.json" else "bench-results/transfer-seal.json"
+        return run_baseline(args)
     if args.netns:
         return run_netns(args)
     if args.serve:

@@ -161,7 +161,7 @@ def test_keyed_transports_move_blocks_and_ignore_unsealed_or_forged_messages(nam
     import zmq.asyncio
 
     from mooncake.registry import load_backend
-    from mooncake.transfer.framing import block_frames, pack_header
+    from mooncake.transfer.framing import binding, block_frames, pack_header, seal_for
     from tests.transfer.test_transport_contract import DictService, available
     available(name)
 
@@ -187,9 +187,10 @@ def test_keyed_transports_move_blocks_and_ignore_unsealed_or_forged_messages(nam
             keys, sizes, sums, frames = block_frames([(2, b"poison" * 50)])
             header = pack_header("put", "forged-1", keys=keys, sizes=sizes, sums=sums)
             other = pack_header("put", "forged-1", keys=[3], sizes=sizes, sums=sums)
-            assert await unanswered(address, [b"", header, *frames])  # no MAC
-            assert await unanswered(address, [b"\0" * security.MAC_BYTES, header, *frames])  # a made-up one
-            assert await unanswered(address, [security.seal(other), header, *frames])  # another header's
+            bind = binding(b"stranger", 1)
+            assert await unanswered(address, [b"", bind, header, *frames])  # no MAC
+            assert await unanswered(address, [b"\0" * security.MAC_BYTES, bind, header, *frames])  # a made-up one
+            assert await unanswered(address, [seal_for(bind, address, other), bind, header, *frames])  # another's
             assert 2 not in service.blocks and 3 not in service.blocks and server.refused == 3
             assert msgpack.unpackb(header)["op"] == "put"
         finally:

@@ -53,7 +53,7 @@ class InprocTransport(Transport):
         start = time.perf_counter()
         endpoint = self._peer(peer, request_id)
         service = endpoint.service
-        if service.locates_blocks:  # the checksum it kept (or SELF_CHECKED) instead of a fresh hash
+        if service.locates_blocks:  # the checksum it kept (or a payload's bound digest) instead of a fresh hash
             located = [(k, loc) for k in keys if (loc := service.locate_block(k)) is not None]
             found, known = [(k, loc.data) for k, loc in located], [loc.checksum for _, loc in located]
         else:

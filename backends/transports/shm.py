@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from backends.transports.staged import StagedTransport
-from mooncake.transfer.contract import SELF_CHECKED, BlockResult, TransferError, TransferResult, new_request_id
+from mooncake.kv_payload import bound_digest
+from mooncake.transfer.contract import BlockResult, TransferError, TransferResult, new_request_id
 from mooncake.transfer.framing import pack_header
 from mooncake.transfer.windows import WriteWindows
 
@@ -246,7 +247,7 @@ class ShmTransport(StagedTransport):
         target = np.frombuffer(window.view, dtype=np.uint8)
         for key, view in views:
             sums.append(self._place(target[cursor:cursor + len(view)], key, view,
-                                    SELF_CHECKED if self_checked else None))
+                                    bound_digest(view) if self_checked else None))
             offsets.append(cursor)
             cursor += len(view)
         frames = [pack_header("put-placed", request_id, window=window.window_id, keys=[k for k, _ in views],

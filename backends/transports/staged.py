@@ -13,7 +13,7 @@ import numpy as np
 from backends.transports.tcp import TcpTransport
 from mooncake.arena import Arena
 from mooncake.hashing import checksum
-from mooncake.transfer.contract import SELF_CHECKED
+from mooncake.kv_payload import bound_digest
 from mooncake.transfer.passes import copy_checked, copy_summed
 
 REPLY_TTL_S = 30.0
@@ -70,7 +70,7 @@ class StagedTransport(TcpTransport):
 
     def _place(self, place: np.ndarray, key: int, view, known: int | None = None) -> int:
         """Write one block's bytes at `place` (a uint8 array of its length); the block's checksum: `known`
-        where given (a checksum the service kept, or SELF_CHECKED), a plain copy then, else hashed as
+        where given (a checksum the service kept, or a payload's bound digest), a plain copy then, else hashed as
         copied. With a tamper hook, the checksum is of the true bytes and what lands is what the hook made
         of them."""
         if self.tamper:
@@ -88,7 +88,7 @@ class StagedTransport(TcpTransport):
     def _kept(self, blocks, sums):
         # Views into a buffer that is reused once this transfer is done: copied, and hashed as copied
         # unless the block carries its own check.
-        copies = [(memoryview(np.frombuffer(block, dtype=np.uint8).copy()), SELF_CHECKED) if digest == SELF_CHECKED
+        copies = [(copy := memoryview(np.frombuffer(block, dtype=np.uint8).copy()), bound_digest(copy)) if digest < 0
                   else copy_checked(block) for block, digest in zip(blocks, sums)]
         return [copy for copy, _ in copies], [digest for _, digest in copies]
 

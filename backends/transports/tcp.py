@@ -3,7 +3,9 @@ as zero-copy frames, many per message, and several requests may be in flight per
 matched by request id). A peer that does not answer by the deadline is a TransferError naming it."""
 
 import asyncio
+import itertools
 import logging
+import os
 import time
 from contextlib import contextmanager
 
@@ -15,8 +17,8 @@ from mooncake import security
 from mooncake.addresses import advertised
 from mooncake.transfer.contract import BlockResult, BlockService, TransferError, TransferResult, Transport, \
     new_request_id
-from mooncake.transfer.framing import Tamper, block_frames, pack_header, self_checked_sums, unpack_header, \
-    verify_blocks
+from mooncake.transfer.framing import REPLY, ReplayGuard, Tamper, binding, block_frames, is_sealed_for, \
+    pack_header, seal_for, self_checked_sums, unpack_header, verify_blocks
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,10 @@ class TcpTransport(Transport):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._peers: dict[str, zmq.Socket] = {}
         self._pending: dict[str, asyncio.Future] = {}
-        self.refused = 0  # messages without the cluster's MAC, ignored
+        self.refused = 0  # messages without the cluster's MAC for this endpoint, or replayed: ignored
+        self.sender_id = os.urandom(8)  # this endpoint, in the binding of every message it sends
+        self._counters: dict[str, itertools.count] = {}  # per peer: the counter of the next message
+        self._guard = ReplayGuard()
         # What this endpoint served, per op: requests, block bytes, seconds spent handling them.
         self.served = {op: {"requests": 0, "bytes": 0, "seconds": 0.0} for op in ("put", "get")}
 
@@ -98,24 +103,26 @@ class TcpTransport(Transport):
             if server is None or not _readable(server):
                 return
             identity, *frames = _recv_frames(server)
-            if not _is_sealed(frames):  # not from the cluster: no reply, no effect
-                self._refuse()
+            # NOTE: not from the cluster, not for this endpoint, or seen before: no reply, no effect.
+            if not _is_sealed(frames, self.address) or (why := self._guard.admit(frames[1].buffer)):
+                self._refuse(why if _is_sealed(frames, self.address) else "not sealed for this endpoint")
                 continue
-            frames = frames[1:]
+            frames = frames[2:]
             try:
                 reply = self._handle(frames)
             except Exception as exc:  # noqa: BLE001  a bad peer must not take the endpoint down
                 log.warning("%s transport %s: bad request from a peer: %s", self.name, self.address, exc)
                 reply = [pack_header("error", _request_id_of(frames), error=f"malformed request: {exc}")]
             if reply:  # one-way notices (release) get no reply; a ROUTER send never blocks
-                _send_frames(server, [identity, security.seal(reply[0]), *reply])
+                bind = binding(self.sender_id, 0)  # NOTE: a reply is matched to its request id, once
+                _send_frames(server, [identity, seal_for(bind, REPLY + self.address, reply[0]), bind, *reply])
         self._loop.call_soon(self._serve)  # more may be waiting: continue after other callbacks
 
-    def _refuse(self) -> None:
+    def _refuse(self, why: str) -> None:
         self.refused += 1
         if self.refused == 1 or self.refused % 1000 == 0:
-            log.warning("%s transport %s: ignored %d messages not sealed with the cluster key", self.name,
-                        self.address, self.refused)
+            log.warning("%s transport %s: ignored %d messages not sealed with the cluster key for this endpoint, or "
+                        "replayed (the last: %s)", self.name, self.address, self.refused, why)
 
     def _handle(self, frames) -> list:
         header = unpack_header(frames[0].buffer)
@@ -172,7 +179,7 @@ class TcpTransport(Transport):
 
     def _outgoing(self, blocks, request_id: str, sums: list[int] | None = None) -> tuple[dict, list]:
         """Header fields and frames carrying `blocks`; `sums`, where given, their checksums already known
-        (or SELF_CHECKED), else they are hashed here."""
+        (or a payload's bound digest), else they are hashed here."""
         keys, sizes, sums, frames = block_frames(blocks, self.tamper, sums)
         return {"keys": keys, "sums": sums}, frames
 
@@ -192,7 +199,7 @@ class TcpTransport(Transport):
     def _kept(self, blocks: list, sums: list[int]) -> tuple[list, list]:
         """Received blocks the receiver may keep (a fetch's results, or a put for a service that keeps
         blocks), and their checksums where already computed (None: the verifier hashes it); `sums` are
-        the sender's (SELF_CHECKED: not to be hashed). A ZeroMQ frame is already the receiver's own."""
+        the sender's (negative: a payload's bound digest, not hashed). A ZeroMQ frame is already the receiver's own."""
         return blocks, [None] * len(blocks)
 
     # -- client side ------------------------------------------------------------------------------
@@ -213,11 +220,11 @@ class TcpTransport(Transport):
         """Hand every waiting reply to its request (drained until EVENTS shows none: see `_serve`)."""
         while _readable(sock):
             frames = _recv_frames(sock)
-            if not _is_sealed(frames):
+            if not _is_sealed(frames, REPLY + peer):
                 log.warning("%s transport: dropped a reply from %s that is not sealed with the cluster key",
                             self.name, peer)
                 continue
-            frames = frames[1:]
+            frames = frames[2:]
             try:
                 header = unpack_header(frames[0].buffer)
             except ValueError as exc:
@@ -239,7 +246,9 @@ class TcpTransport(Transport):
         """Queue a message to `peer` (zmq.Again when its queue is full). A DEALER queues even before the
         peer is up, so only a full queue (high-water mark) can refuse it."""
         sock = self._socket(peer)
-        _send_frames(sock, [security.seal(frames[0]), *frames])
+        counter = self._counters.setdefault(peer, itertools.count(1))
+        bind = binding(self.sender_id, next(counter))
+        _send_frames(sock, [seal_for(bind, peer, frames[0]), bind, *frames])
         if _readable(sock):  # a send can consume the FD's edge: look now
             self._loop.call_soon(self._receive, peer, sock)
 
@@ -321,9 +330,9 @@ def _expire(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-def _is_sealed(frames: list[zmq.Frame]) -> bool:
-    """A message is [MAC of the header, header, blocks...]: is its MAC right (always, without keys)?"""
-    return len(frames) >= 2 and security.is_sealed(frames[0].buffer, frames[1].buffer)
+def _is_sealed(frames: list[zmq.Frame], receiver: str) -> bool:
+    """A message is [MAC, binding, header, blocks...]: is its MAC right for `receiver` (always, without keys)?"""
+    return len(frames) >= 3 and is_sealed_for(frames[0].buffer, frames[1].buffer, receiver, frames[2].buffer)
 
 
 def _request_id_of(frames) -> str:

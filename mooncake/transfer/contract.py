@@ -2,9 +2,10 @@
 checksums verified by the receiver, a result per block and per-transfer metrics.
 
 A block that carries its own check (an encoded KVPayload, checked end to end by its consumer) is sent
-with `self_checked=True`: no transport hashes or verifies it, and its checksum field reads SELF_CHECKED
-from the sender through a cache node's store to whoever fetches it. Only frames with no check of their
-own are hashed by the transport.
+with `self_checked=True`: no transport hashes it; its checksum field is its `kv_payload.bound_digest`
+(negative, read from the payload's header, not hashed), which the receiver matches and which travels from
+the sender through a cache node's store to whoever fetches it. So the seal on a message's header covers
+every byte of its payloads too. Only frames with no check of their own are hashed by the transport.
 
 Callers: the cache role `start()`s a transport with a `BlockService` (its store) so peers can put and get
 blocks; prefill and decode instances `send()` new blocks and `fetch()` cached ones. Backends (found by name
@@ -23,8 +24,8 @@ from mooncake.errors import MooncakeError
 
 
 SELF_CHECKED = -1
-"""A block's checksum field (on the wire, in `put_block`, in a store, in a BlockLocation) meaning "it
-carries its own check, verified by its consumer": never hashed in between. Real checksums are u64."""
+"""A checksum field that binds no byte (what self-checked blocks carried before their bound digests): every
+receiver refuses it. Checksums are u64; a payload's bound digest is at most -2."""
 
 
 class TransferError(MooncakeError):
@@ -53,7 +54,7 @@ class BlockService(ABC):
     def put_block(self, key: int, data: memoryview, checksum: int | None = None) -> str | None:
         """Store a verified block; None on success, else a one-line reason. `checksum` is the one the
         transport verified, for a service that keeps it (so the block is never hashed again), or
-        SELF_CHECKED for a block that carries its own check (kept as such and served back as such)."""
+        a payload's bound digest for a block that carries its own check (kept and served back as such)."""
 
     @abstractmethod
     def get_block(self, key: int) -> bytes | memoryview | None:
@@ -137,13 +138,14 @@ class Transport(ABC):
     async def send(self, peer: str, blocks: list[tuple[int, bytes | memoryview]], timeout_s: float,
                    request_id: str | None = None, self_checked: bool = False) -> TransferResult:
         """Put blocks into the peer's service; per-block results say which were stored. `self_checked`:
-        every block carries its own check (SELF_CHECKED): neither side hashes it."""
+        every block carries its own check (an encoded payload): neither side hashes it; its bound digest binds
+        it to the sealed header."""
 
     @abstractmethod
     async def fetch(self, peer: str, keys: list[int], timeout_s: float,
                     request_id: str | None = None) -> TransferResult:
         """Get blocks from the peer's service; a missing or corrupted block is a per-block error (a block
-        stored SELF_CHECKED is not verified here: its consumer does)."""
+        stored with a bound digest is matched to it here, and its bytes checked by its consumer)."""
 
     @abstractmethod
     async def stop(self) -> None: ...

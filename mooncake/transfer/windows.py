@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from mooncake.hashing import checksum
 from mooncake.transfer.contract import SELF_CHECKED
+from mooncake.transfer.framing import digest_of
 
 
 class Lender(Protocol):
@@ -111,7 +111,7 @@ class WriteWindows:
                 errors.append(f"range {offset}+{size} is outside the writer's window or already used")
                 continue
             window.take(offset, size)
-            if digest != SELF_CHECKED and checksum(self.lender.reserved_view(offset, size)) != digest:
+            if digest == SELF_CHECKED or digest_of(self.lender.reserved_view(offset, size), digest) != digest:
                 self.lender.release_reserved(offset, size)
                 errors.append("checksum mismatch: corrupted in transit")
                 continue

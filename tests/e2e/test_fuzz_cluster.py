@@ -3,6 +3,7 @@ role listens on: the conductor's control socket, a cache node's control socket, 
 decode inbox's transport endpoints. Sent by a stranger without keys and by a peer holding the cluster's
 keys; afterwards every role is still up and answering, and the cluster serves a completion."""
 
+import itertools
 import re
 import time
 
@@ -13,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from mooncake import messages as m
 from mooncake import security
 from mooncake.config import load_config
+from mooncake.transfer.framing import binding, seal_for
 from tests.e2e.conftest import make_cluster, post
 from tests.wire_fuzz import frames
 
@@ -54,16 +56,18 @@ def test_random_frames_at_every_listening_socket_leave_every_role_serving(cluste
     if keys is not None:  # a member also seals its transport messages with the cluster's MAC
         security.configure(load_config(None, {"security.keys_dir": cluster.config.security.keys_dir}))
     # NOTE: control sockets are CURVE; a transport's data socket is plain and its messages sealed instead.
-    sockets = {name: dealer(address, keys if "control" in name else None)
-               for name, address in listening(cluster).items()}
+    addresses = listening(cluster)
+    sockets = {name: dealer(address, keys if "control" in name else None) for name, address in addresses.items()}
+    counter = itertools.count(1)
     try:
         @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
         @given(frame=frames, block=frames)
         def one(frame, block):
             for name, sock in sockets.items():
-                # A transport message is [MAC, header, blocks]: a member's MAC is right (its random header
-                # reaches the handler); a stranger's is empty (no keys here), so it is dropped unread.
-                parts = [frame] if "control" in name else [security.seal(frame), frame, block]
+                # A transport message is [MAC, binding, header, blocks]: a member's MAC is right (its random
+                # header reaches the handler); a stranger's is empty (no keys here), so it is dropped unread.
+                bind = binding(b"fuzzer", next(counter))
+                parts = [frame] if "control" in name else [seal_for(bind, addresses[name], frame), bind, frame, block]
                 try:
                     sock.send_multipart(parts)
                 except zmq.Again:

@@ -11,11 +11,10 @@ from mooncake import hashing
 from mooncake.config import StoreConfig
 from mooncake.errors import KVPayloadError
 from mooncake.hashing import checksum
-from mooncake.kv_payload import KVPayload
+from mooncake.kv_payload import KVPayload, bound_digest
 from mooncake.registry import load_backend
 from mooncake.store.server import StoreService
 from mooncake.store.store import KVStore
-from mooncake.transfer.contract import SELF_CHECKED
 
 
 async def serve(transport_name: str, shared: bool):
@@ -64,7 +63,7 @@ def test_a_kv_payload_crosses_the_pool_unhashed_and_its_consumer_catches_corrupt
             assert (await client.send(address, [(7, wire)], timeout_s=10, self_checked=True)).ok
             got = await client.fetch(address, [7], timeout_s=10)
             assert got.ok and bytes(got.blocks[0].data) == wire and hashed == []
-            assert store._sums == {7: SELF_CHECKED}
+            assert store._sums == {7: bound_digest(wire)}
             monkeypatch.undo()
             KVPayload.from_bytes(got.blocks[0].data).verify(namespace=b"m")  # the one check
             lease = store.get(7, lease_s=1.0)

@@ -14,8 +14,9 @@ import zmq.asyncio
 from mooncake import hashing
 from mooncake.registry import load_backend
 from mooncake.hashing import checksum
+from mooncake.kv_payload import KVPayload, bound_digest
 from mooncake.transfer.contract import SELF_CHECKED, BlockService, TransferError
-from mooncake.transfer.framing import WIRE_VERSION
+from mooncake.transfer.framing import WIRE_VERSION, binding
 from tests.transfer.conftest import KeepingService
 
 BACKENDS = ["inproc", "tcp", "shm", "mooncake"]
@@ -115,9 +116,9 @@ def test_flipped_byte_is_reported_per_block_never_returned(name):
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_a_self_checked_block_is_neither_hashed_nor_verified_in_transit(name, monkeypatch):
-    """A block that carries its own check (a KV payload) crosses without a hash on either side, flagged
-    SELF_CHECKED to the service; a byte flipped on the way reaches the service as it is, for the
-    consumer's own check to catch (tests/test_kv_payload.py, tests/store/test_store_service.py)."""
+    """A block that carries its own check (a KV payload) crosses without a hash on either side, under its
+    bound digest (read from the payload's header); a byte flipped in its data reaches the service as it
+    is, for the consumer's own check to catch (tests/test_kv_payload.py, tests/store/test_store_service.py)."""
     async def run():
         server, client, service, address = await pair(name, client_tamper=flip_byte_of(2))
         try:
@@ -127,7 +128,7 @@ def test_a_self_checked_block_is_neither_hashed_nor_verified_in_transit(name, mo
             monkeypatch.setattr(hashing, "_xxh3", lambda data: hashed.append(len(data)) or real(data))
             sent = await client.send(address, blocks, timeout_s=10, self_checked=True)
             assert sent.ok and hashed == []
-            assert all(service.sums[k] == SELF_CHECKED for k, _ in blocks)
+            assert all(service.sums[k] == bound_digest(d) for k, d in blocks)
             assert [service.blocks[k] == d for k, d in blocks] == [True, True, False, True]
             plain = await client.send(address, [(9, blocks[1][1])], timeout_s=10)  # no flag: hashed as ever
             assert plain.ok and hashed and service.sums[9] == checksum(blocks[1][1])
@@ -135,6 +136,42 @@ def test_a_self_checked_block_is_neither_hashed_nor_verified_in_transit(name, mo
             await client.stop()
             await server.stop()
     asyncio.run(run())
+
+
+def kv_payload(block_hash: int, data: bytes) -> bytes:
+    return KVPayload(block_hash=block_hash, namespace=b"m", dtype="uint8", shape=(len(data),), layer=None,
+                     checksum=checksum(data), data=data).to_bytes()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_forged_kv_under_a_genuine_seal_is_refused(name):
+    """The attack: an on-path host keeps a sealed put's MAC and header and swaps in KV of its own, a
+    payload as consistent as the real one (its own header and checksum). The header's bound digest names
+    the real payload, so the forged one is refused on the way in, and never reaches the service."""
+    rng = random.Random(5)
+    real = [(k, kv_payload(k, rng.randbytes(size))) for k, size in enumerate([4096, 1 << 20])]
+    forged = {k: kv_payload(k, rng.randbytes(len(KVPayload.from_bytes(d).data))) for k, d in real}
+    assert all(len(forged[k]) == len(d) for k, d in real)
+
+    async def run():
+        server, client, service, address = await pair(name, client_tamper=lambda key, data: forged[key])
+        try:
+            sent = await client.send(address, real, timeout_s=10, self_checked=True)
+            assert not any(b.ok for b in sent.blocks) and all("forged" in b.error for b in sent.blocks)
+            assert service.blocks == {}
+        finally:
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())
+
+
+def test_a_header_that_binds_no_bytes_is_refused():
+    """SELF_CHECKED (what payloads were sent under before) binds nothing to the seal: every receiver's
+    check refuses it (tcp, shm and mooncake verify with `verify_blocks`; write windows with `digest_of`)."""
+    from mooncake.transfer.framing import verify_blocks
+    block = kv_payload(3, b"kv" * 100)
+    (refused, bound) = verify_blocks([3, 3], [SELF_CHECKED, bound_digest(block)], [block, block])
+    assert not refused.ok and "unbound" in refused.error and bound.ok
 
 
 def small_payloads():
@@ -196,12 +233,12 @@ def test_dead_peer_is_a_clear_error_within_the_deadline(name):
 
 async def raw_reply(address: str, frames: list[bytes]) -> dict:
     """Send `frames` from a bare DEALER socket, as a foreign peer would (with the empty MAC of a cluster
-    without keys), and decode the reply header."""
+    without keys, and a binding of its own), and decode the reply header."""
     raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     raw.connect(address)
     try:
-        await raw.send_multipart([b"", *frames])
-        _mac, header, *_ = await asyncio.wait_for(raw.recv_multipart(), 5)
+        await raw.send_multipart([b"", binding(os.urandom(8), 1), *frames])
+        _mac, _binding, header, *_ = await asyncio.wait_for(raw.recv_multipart(), 5)
         return msgpack.unpackb(header)
     finally:
         raw.close(linger=0)

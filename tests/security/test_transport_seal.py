@@ -1,0 +1,142 @@
+"""Every KV byte under the seal, and a seal good once, for one receiver (issue: the MAC sealed only a
+message's header and every KV payload was sent SELF_CHECKED, so an on-path host replayed a captured put's
+MAC and header with forged KV and the pool served it; sealed messages replayed anywhere, any time).
+
+With the cluster's keys, a captured sealed message (a) sent again to its endpoint, (b) sent to another
+endpoint, (c) sent with other KV bytes, or (d) sent late, is refused, and nothing reaches the service.
+Over every transport whose messages cross a socket (tcp, shm, mooncake)."""
+
+import asyncio
+import random
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+import backends.transports.tcp as tcp
+from mooncake import security
+from mooncake.config import load_config
+from mooncake.hashing import checksum
+from mooncake.kv_payload import KVPayload
+from mooncake.registry import load_backend
+from mooncake.transfer.contract import TransferError
+from mooncake.transfer.framing import ReplayGuard, binding
+from tests.transfer.test_transport_contract import DictService, available
+
+
+@pytest.fixture
+def keyed(tmp_path):
+    security.generate_keys(tmp_path / "keys")
+    security.configure(load_config(None, {"security.keys_dir": str(tmp_path / "keys")}))
+    yield
+    security.reset()
+
+
+def _payload(block_hash: int, data: bytes) -> bytes:
+    return KVPayload(block_hash=block_hash, namespace=b"m", dtype="uint8", shape=(len(data),), layer=None,
+                     checksum=checksum(data), data=data).to_bytes()
+
+
+async def _unanswered(address: str, frames: list[bytes]) -> bool:
+    raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+    try:
+        await raw.send_multipart(frames)
+        return not await raw.poll(1000)
+    finally:
+        raw.close()
+
+
+def _recording(monkeypatch, withhold: bool = False) -> list:
+    """What the on-path host captures of each message a client sends; with `withhold`, it also keeps the
+    messages from their receiver (to deliver them altered)."""
+    captured = []
+    real_send = tcp._send_frames
+
+    def recording(sock, frames):
+        if sock.type == zmq.DEALER:
+            captured.append([bytes(memoryview(f)) for f in frames])
+            if withhold:
+                return
+        real_send(sock, frames)
+    monkeypatch.setattr(tcp, "_send_frames", recording)
+    return captured
+
+
+@pytest.mark.parametrize("name", ["tcp", "shm", "mooncake"])
+def test_a_captured_sealed_message_is_good_once_for_its_receiver(name, keyed, monkeypatch):
+    available(name)
+    captured = _recording(monkeypatch)
+
+    async def run():
+        cls = load_backend("transports", name)
+        service, other_service = DictService(), DictService()
+        server, other, client = cls(), cls(), cls()
+        address, other_address = await server.start(service), await other.start(other_service)
+        await client.start()
+        try:
+            block = _payload(1, random.Random(1).randbytes(4096))
+            assert (await client.send(address, [(1, block)], timeout_s=10, self_checked=True)).ok
+            (message,) = [m for m in captured if b"put" in m[2]]
+            service.blocks.clear()
+            assert await _unanswered(address, message)  # replayed to its endpoint
+            assert await _unanswered(other_address, message)  # sent to another endpoint
+            assert service.blocks == {} and other_service.blocks == {}
+            assert server.refused == 1 and other.refused == 1
+            assert (await client.send(address, [(2, block)], timeout_s=10, self_checked=True)).ok  # it goes on
+        finally:
+            await client.stop()
+            await other.stop()
+            await server.stop()
+    asyncio.run(run())
+
+
+def test_forged_kv_delivered_under_a_withheld_genuine_seal_is_refused(keyed, monkeypatch):
+    """The attack as it was run: the on-path host takes a sealed put off the wire and delivers its MAC,
+    binding and header with KV of its own (a payload as self-consistent as the real one)."""
+    captured = _recording(monkeypatch, withhold=True)
+
+    async def run():
+        cls = load_backend("transports", "tcp")
+        service = DictService()
+        server, client = cls(), cls()
+        address = await server.start(service)
+        await client.start()
+        try:
+            block = _payload(1, random.Random(1).randbytes(4096))
+            with pytest.raises(TransferError):  # withheld: the genuine put never arrives
+                await client.send(address, [(1, block)], timeout_s=0.5, self_checked=True)
+            (message,) = captured
+            forged = _payload(1, random.Random(2).randbytes(4096))
+            reply = await _reply(address, message[:3] + [forged])
+            header = msgpack.unpackb(reply[2])
+            assert header["op"] == "put-reply" and "forged" in header["errors"][0]
+            assert service.blocks == {}
+        finally:
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())
+
+
+async def _reply(address: str, frames: list[bytes]):
+    raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+    try:
+        await raw.send_multipart(frames)
+        return await raw.recv_multipart() if await raw.poll(2000) else None
+    finally:
+        raw.close()
+
+
+def test_the_replay_guard_admits_each_message_once_in_order_and_only_when_fresh():
+    guard = ReplayGuard(window_s=60)
+    a1, a2, b1 = binding(b"sender-a", 1), binding(b"sender-a", 2), binding(b"sender-b", 1)
+    assert guard.admit(a1) is None and guard.admit(b1) is None and guard.admit(a2) is None
+    assert guard.admit(a1) == "replayed" and guard.admit(a2) == "replayed"
+    assert guard.admit(binding(b"sender-a", 3)) is None
+    assert guard.admit(b"short") == "malformed binding"
+    late = ReplayGuard(window_s=60, clock=lambda: 1e12)  # the receiver's clock, far past the binding's
+    assert "replayed, or the clocks differ" in late.admit(binding(b"sender-c", 1))
