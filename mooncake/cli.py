@@ -84,7 +84,7 @@ def serve(
     if role not in ROLES:
         raise ConfigError(f"unknown role '{role}': choose one of {', '.join(ROLES)}")
     cfg = load_config(config)
-    configure(cfg)  # the cluster's keys for every socket of this process, or loopback only
+    configure(cfg, role)  # this role's keys for every socket of this process, or loopback only
     run_service(make_role(role, cfg))
 
 
@@ -169,16 +169,22 @@ def dev(
     run_dev(DevCluster(cfg, prefill, decode, cache, workdir), timeout, question, restart)
 
 
-keys_app = typer.Typer(no_args_is_help=True, help="The cluster's CURVE keys.")
+keys_app = typer.Typer(no_args_is_help=True, help="The cluster's keys: a CURVE pair per role, and the data plane's "
+                                                     "MAC secret.")
 app.add_typer(keys_app, name="keys")
 
 
 @keys_app.command("generate")
-def keys_generate(directory: Path = typer.Argument(..., help="Where to write the key pair (created 0700).")):
-    """Make the cluster's key pair: DIR/cluster.key_secret (mode 0600) and DIR/cluster.key. Copy DIR to
-    every host of the cluster and set security.keys_dir to it in every role's config."""
+def keys_generate(directory: Path = typer.Argument(..., help="Where to write the keys (created 0700).")):
+    """Make the cluster's keys in DIR: per role (conductor, cache, prefill, decode) a CURVE pair,
+    DIR/<role>.key (public) and DIR/<role>.key_secret (mode 0600), and DIR/data.secret (0600), the MAC
+    secret of the KV data plane. Give every host the public keys, the secret of each role it runs, and, if
+    it runs a cache, prefill or decode role, data.secret; set security.keys_dir to that directory. A
+    role's key lets its holder act as that role only: a cache node's cannot register an instance."""
     from mooncake.security import generate_keys
-    print(generate_keys(directory))
+    directory = generate_keys(directory)
+    for path in sorted(directory.iterdir()):
+        print(path)
 
 
 @app.command()

@@ -108,7 +108,7 @@ class DevCluster:
         keys_dir = config.security.keys_dir
         if not keys_dir:  # NOTE: the shipped path is the tested path: a dev cluster runs with keys too
             keys_dir = str(self.workdir / "keys")
-            if not (self.workdir / "keys" / "cluster.key_secret").exists():
+            if not (self.workdir / "keys" / "conductor.key_secret").exists():
                 generate_keys(keys_dir)
         base = dataclasses.replace(
             config,

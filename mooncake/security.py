@@ -1,13 +1,16 @@
-"""Only the cluster talks to the cluster: how every role socket is set up (DESIGN section 11).
+"""Only the cluster talks to the cluster, and each role only as itself: how every role socket is set up
+(DESIGN section 11).
 
-The cluster has one CURVE key pair (`mooncake keys generate DIR`, `security.keys_dir`), which every role
-of the cluster holds. Every server socket (the conductor's control socket, a cache node's control and
-event sockets, each transport endpoint) is a CURVE server with that key, and a ZAP handler on its ZeroMQ
-context admits a client only if it presents the cluster's public key, which the CURVE handshake makes it
-prove it holds the secret for. So a peer without the keys cannot open a connection at all: it gets no
-reply and changes nothing. A transport's data sockets carry a keyed MAC on each message instead of
-CURVE, which costs too much there (`seal`). Every socket also has a `ZMQ_MAXMSGSIZE`, so no peer can make a role buffer a
-frame of any size.
+`mooncake keys generate DIR` makes a CURVE key pair per role (DIR/<role>.key, public; DIR/<role>.key_secret,
+mode 0600) and the data plane's MAC secret (DIR/data.secret). A role process loads its own pair, every
+role's public key, and (prefill, decode and cache, which move KV) the data secret. Every server socket is
+a CURVE server with its role's key, and a ZAP handler on its ZeroMQ context admits only the roles that may
+call it: the conductor's control socket prefill and decode instances; a cache node's control and event
+sockets the conductor and instances. So a peer without a cluster key cannot open a connection at all, and
+a cache node's key cannot register an instance. The conductor also checks that a registering instance's
+key is of the role it claims (`role_of`, from the connection's ZAP User-Id). A transport's data sockets
+carry a keyed MAC (under the data secret) on each message instead of CURVE, which costs too much there
+(`seal`). Every socket also has a `ZMQ_MAXMSGSIZE`, so no peer can make a role buffer a frame of any size.
 
 The keys are a property of the process: the role's start calls `configure` once; the sockets made
 afterwards (`server`, `client`) use them. Without keys a role runs only on loopback, unless
@@ -32,55 +35,89 @@ log = logging.getLogger(__name__)
 
 CONTROL_MAX_BYTES = 64 << 20  # a control message: a prompt's token ids and block hashes, a batch of events
 DATA_MAX_BYTES = 1 << 30  # one frame of a transport: a header, or one KV block
-KEY_NAME = "cluster"
+ROLES = ("conductor", "cache", "prefill", "decode")
+DATA_ROLES = ("cache", "prefill", "decode")  # what moves KV: holds the data plane's MAC secret
+# Who may connect to a server socket of each role, by the role of the client's key. A role not named here
+# (a tool's own server) admits every role of the cluster.
+ADMITS = {"conductor": ("prefill", "decode"), "cache": ("conductor", "prefill", "decode")}
+DATA_SECRET = "data.secret"
 ZAP_DOMAIN = b"mooncake"
 
 
 class ClusterKeys(NamedTuple):
-    public: bytes  # z85
+    """One role's CURVE pair (z85), and every role's public key."""
+
+    public: bytes
     secret: bytes
+    role: str
+    publics: dict[str, bytes]
 
 
 _keys: ClusterKeys | None = None
-_mac_key: bytes | None = None  # seals transport headers (below); derived from the cluster's secret key
+_keys_dir = ""
+_other_pairs: dict[str, ClusterKeys] = {}  # roles this process also serves as (tests, tools)
+_mac_key: bytes | None = None  # seals transport messages (below); derived from the data secret
 MAC_BYTES = 16
 _authenticators: dict[int, ThreadAuthenticator] = {}  # by ZeroMQ context handle
 
 
 def generate_keys(directory: str | Path) -> Path:
-    """Write a new cluster key pair into `directory` (created 0700); the secret file is mode 0600.
-    Returns the secret file's path. Refuses to overwrite a pair that is already there."""
+    """Write a new set of cluster keys into `directory` (created 0700): a CURVE pair per role (secret files
+    mode 0600) and the data plane's MAC secret. Returns the directory. Refuses to overwrite a set."""
     directory = Path(directory)
-    secret = directory / f"{KEY_NAME}.key_secret"
-    if secret.exists():
-        raise ConfigError(f"{secret} exists already; remove it first to make a new cluster key pair "
+    if any((directory / f"{role}.key_secret").exists() for role in ROLES) or (directory / DATA_SECRET).exists():
+        raise ConfigError(f"{directory} holds cluster keys already; remove them first to make a new set "
                           f"(every role of the cluster then needs the new one)")
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    public_path, secret_path = zmq.auth.create_certificates(str(directory), KEY_NAME)
-    os.chmod(secret_path, 0o600)
-    return Path(secret_path)
+    for role in ROLES:
+        _, secret_path = zmq.auth.create_certificates(str(directory), role)
+        os.chmod(secret_path, 0o600)
+    data = directory / DATA_SECRET
+    data.write_bytes(os.urandom(32).hex().encode())
+    os.chmod(data, 0o600)
+    return directory
 
 
-def load_keys(directory: str | Path) -> ClusterKeys:
-    path = Path(directory) / f"{KEY_NAME}.key_secret"
+def load_keys(directory: str | Path, role: str = "prefill") -> ClusterKeys:
+    """`role`'s pair and every role's public key from a `generate_keys` directory."""
+    directory = Path(directory)
+    path = directory / f"{role}.key_secret"
     try:
         public, secret = zmq.auth.load_certificate(str(path))
+        publics = {r: zmq.auth.load_certificate(str(directory / f"{r}.key"))[0] for r in ROLES}
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"config key 'security.keys_dir': cannot read the cluster key pair {path} ({exc}); "
-                          f"make one with `mooncake keys generate {directory}`") from None
+        old = " (it holds the older single cluster pair)" if (directory / "cluster.key_secret").exists() else ""
+        raise ConfigError(f"config key 'security.keys_dir': cannot read the {role} key pair {path}{old} ({exc}); "
+                          f"make the cluster's keys with `mooncake keys generate DIR` and give this host "
+                          f"DIR/*.key, DIR/{role}.key_secret and, for roles that move KV, DIR/{DATA_SECRET}") from None
     if secret is None:
         raise ConfigError(f"config key 'security.keys_dir': {path} holds no secret key")
-    return ClusterKeys(public, secret)
+    return ClusterKeys(public, secret, role, publics)
 
 
-def configure(config) -> None:
-    """Load this process's keys from a MooncakeConfig's [security] table, or refuse to run without them
-    on an address beyond loopback (unless security.insecure)."""
-    global _keys, _mac_key
+def role_of(user_id: str | None) -> str | None:
+    """The role whose public key a connection authenticated with (its ZAP User-Id: the z85 key)."""
+    if _keys is None or not user_id:
+        return None
+    return next((r for r, key in _keys.publics.items() if key.decode() == user_id), None)
+
+
+def configure(config, role: str = "prefill") -> None:
+    """Load this process's keys (`role`'s pair; a tool acts as an instance) from a MooncakeConfig's
+    [security] table, or refuse to run without them on an address beyond loopback (unless
+    security.insecure)."""
+    global _keys, _mac_key, _keys_dir
     sec = config.security
-    _keys = load_keys(sec.keys_dir) if sec.keys_dir else None
-    _mac_key = None if _keys is None else hashlib.blake2b(
-        b"mooncake transport header MAC", key=zmq.utils.z85.decode(_keys.secret), digest_size=32).digest()
+    _keys = load_keys(sec.keys_dir, role) if sec.keys_dir else None
+    _keys_dir, _mac_key = sec.keys_dir, None
+    _other_pairs.clear()
+    if _keys is not None and role in DATA_ROLES:
+        data = Path(sec.keys_dir) / DATA_SECRET
+        try:
+            secret = data.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"config key 'security.keys_dir': a {role} moves KV and needs {data} ({exc})") from None
+        _mac_key = hashlib.blake2b(b"mooncake transport MAC", key=secret[:64], digest_size=32).digest()
     if _keys is None:
         exposed = sorted(a for a in _addresses(config) if not _is_loopback(a))
         if exposed and not sec.insecure:
@@ -95,35 +132,48 @@ def reset() -> None:
     """Forget the process's keys (tests)."""
     global _keys, _mac_key
     _keys = _mac_key = None
+    _other_pairs.clear()
 
 
 def is_secured() -> bool:
     return _keys is not None
 
 
-def server(sock: zmq.Socket, max_bytes: int = CONTROL_MAX_BYTES, curve: bool = True) -> zmq.Socket:
-    """Set up a socket that binds: a CURVE server admitting only the cluster, when keys are configured
-    (`curve=False`: a transport's data socket, whose messages are sealed instead; see `seal`)."""
+def server(sock: zmq.Socket, max_bytes: int = CONTROL_MAX_BYTES, curve: bool = True,
+           role: str | None = None) -> zmq.Socket:
+    """Set up a socket that binds: a CURVE server with `role`'s key (default: this process's), admitting
+    only the roles that may call it (ADMITS), when keys are configured (`curve=False`: a transport's data
+    socket, whose messages are sealed instead; see `seal`)."""
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     if _keys is not None and curve:
-        _authenticate(sock.context)
-        sock.curve_secretkey = _keys.secret
-        sock.curve_publickey = _keys.public
+        keys = _pair(role or _keys.role)
+        sock.curve_secretkey = keys.secret
+        sock.curve_publickey = keys.public
         sock.curve_server = True
-        sock.zap_domain = ZAP_DOMAIN
+        sock.zap_domain = _authenticate(sock.context, keys)
     return sock
 
 
+def _pair(role: str) -> ClusterKeys:
+    """`role`'s keys: this process's own, or (a process serving as several roles: tests, tools) read from
+    the keys directory, which then must hold that role's secret."""
+    if role == _keys.role:
+        return _keys
+    if role not in _other_pairs:
+        _other_pairs[role] = load_keys(_keys_dir, role)
+    return _other_pairs[role]
+
+
 def client(sock: zmq.Socket, max_bytes: int = CONTROL_MAX_BYTES, keys: ClusterKeys | None = None,
-           curve: bool = True) -> zmq.Socket:
-    """Set up a socket that connects: a CURVE client with the cluster key, when keys are configured (or
-    with `keys`, for a tool that talks to a cluster it is not a role of)."""
+           curve: bool = True, server: str = "conductor") -> zmq.Socket:
+    """Set up a socket that connects to a `server` role's socket: a CURVE client with this role's key, when
+    keys are configured (or with `keys`, for a tool that talks to a cluster it is not a role of)."""
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     keys = keys or _keys
     if keys is not None and curve:
         sock.curve_secretkey = keys.secret
         sock.curve_publickey = keys.public
-        sock.curve_serverkey = keys.public
+        sock.curve_serverkey = keys.publics[server]
     return sock
 
 
@@ -152,26 +202,31 @@ def release(ctx: zmq.Context) -> None:
         auth.stop()
 
 
-class _ClusterOnly:
-    """ZAP decision: a CURVE client is admitted iff it holds the cluster key."""
+class _Admitted:
+    """ZAP decision: a CURVE client is admitted iff its key is one of the `roles` that may call us."""
 
-    def __init__(self, public: bytes):
-        self.public = public
+    def __init__(self, keys: ClusterKeys, roles: tuple[str, ...]):
+        self.keys = {keys.publics[r]: r for r in roles}
+        self.server = keys.role
 
     def callback(self, domain: str, key: bytes) -> bool:  # key: the client's public key, z85
-        admitted = key == self.public
+        admitted = key in self.keys
         if not admitted:
-            log.warning("refused a connection from a peer without the cluster key")
+            known = role_of(key.decode(errors="replace"))
+            log.warning("refused a connection from %s", f"a {known} (it may not call a {self.server})" if known
+                        else "a peer without a cluster key")
         return admitted
 
 
-def _authenticate(ctx: zmq.Context) -> None:
-    if ctx.underlying in _authenticators:
-        return
-    auth = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying))
-    auth.start()
-    auth.configure_curve_callback(domain=ZAP_DOMAIN.decode(), credentials_provider=_ClusterOnly(_keys.public))
-    _authenticators[ctx.underlying] = auth
+def _authenticate(ctx: zmq.Context, keys: ClusterKeys) -> bytes:
+    """Start the context's ZAP handler if needed; the domain of `keys`' role's server sockets."""
+    domain = f"{ZAP_DOMAIN.decode()}-{keys.role}"
+    auth = _authenticators.get(ctx.underlying)
+    if auth is None:
+        auth = _authenticators[ctx.underlying] = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying))
+        auth.start()
+    auth.configure_curve_callback(domain=domain, credentials_provider=_Admitted(keys, ADMITS.get(keys.role, ROLES)))
+    return domain.encode()
 
 
 def _addresses(config) -> list[str]:

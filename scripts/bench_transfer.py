@@ -200,7 +200,7 @@ def bench_memcpy(size: int, budget: int) -> float:
 def bench_raw_zmq(address: str, size: int, budget: int, in_flight: int = 1) -> float:
     """Request/reply with zero-copy frames and no checks, at most `in_flight` requests outstanding."""
     ctx = zmq.Context.instance()
-    sock = security.client(ctx.socket(zmq.DEALER), security.DATA_MAX_BYTES)  # CURVE iff keys are set
+    sock = security.client(ctx.socket(zmq.DEALER), security.DATA_MAX_BYTES, server="prefill")  # CURVE iff keys
     sock.connect(address)
     payload = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8).tobytes()
     n = iterations(size, budget)

@@ -199,7 +199,7 @@ def cache_leases(cluster: DevCluster) -> dict[str, int]:
     keys = security.load_keys(cluster.config.security.keys_dir)
     out = {}
     for address in cluster.config.cache_client.nodes:
-        sock = security.client(zmq.Context.instance().socket(zmq.DEALER), keys=keys)
+        sock = security.client(zmq.Context.instance().socket(zmq.DEALER), keys=keys, server="cache")
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         try:

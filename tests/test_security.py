@@ -34,11 +34,14 @@ def keyed(keys_dir):
 
 
 def test_generated_keys_are_private_and_never_overwritten(keys_dir):
-    secret = keys_dir / "cluster.key_secret"
-    assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and stat.S_IMODE(keys_dir.stat().st_mode) == 0o700
-    keys = security.load_keys(keys_dir)
-    assert len(keys.public) == len(keys.secret) == 40
-    with pytest.raises(ConfigError, match="exists already"):
+    assert stat.S_IMODE(keys_dir.stat().st_mode) == 0o700
+    for role in security.ROLES:
+        assert stat.S_IMODE((keys_dir / f"{role}.key_secret").stat().st_mode) == 0o600
+        keys = security.load_keys(keys_dir, role)
+        assert len(keys.public) == len(keys.secret) == 40 and keys.role == role
+    assert stat.S_IMODE((keys_dir / security.DATA_SECRET).stat().st_mode) == 0o600
+    assert len({security.load_keys(keys_dir, r).public for r in security.ROLES}) == len(security.ROLES)
+    with pytest.raises(ConfigError, match="holds cluster keys already"):
         security.generate_keys(keys_dir)
 
 
@@ -56,13 +59,13 @@ def test_without_keys_a_role_runs_on_loopback_only_unless_told_otherwise():
     assert not security.is_secured()
 
 
-def dealer(address, keys=None, identity: bytes | None = None):
+def dealer(address, keys=None, identity: bytes | None = None, server: str = "cache"):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if keys is not None:
-        security.client(sock, keys=keys)
+        security.client(sock, keys=keys, server=server)
     sock.connect(address)
     return sock
 
@@ -136,7 +139,7 @@ def test_random_frames_from_a_keyed_peer_never_end_a_cache_nodes_control_loop(ca
 def test_the_conductor_ignores_peers_without_the_cluster_key(tiny_dir, keyed):
     from tests.api.test_api import Served
     served = Served(**{"conductor.heartbeat_timeout_s": 600.0})
-    member = dealer(served.control, keyed, b"prefill-k")
+    member = dealer(served.control, keyed, b"prefill-k", server="conductor")
     try:
         register = m.Register(instance_id="prefill-k", role="prefill", model_id=served.conductor.model.model_id,
                               block_size=64, kv_dtype="float32")

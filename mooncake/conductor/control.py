@@ -49,7 +49,7 @@ class ControlPlane:
     async def start(self, supervisor: Supervisor, model_id: str, block_size: int, kv_dtype: str) -> None:
         self.model_id, self.block_size, self.kv_dtype = model_id, block_size, kv_dtype
         self.ctx = zmq.asyncio.Context()
-        self.router = security.server(self.ctx.socket(zmq.ROUTER))
+        self.router = security.server(self.ctx.socket(zmq.ROUTER), role="conductor")
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
@@ -87,21 +87,22 @@ class ControlPlane:
 
     async def _receive(self) -> None:
         while True:
-            identity, *frames = await self.router.recv_multipart()
-            sender = identity.decode(errors="replace")
+            identity, *parts = await self.router.recv_multipart(copy=False)
+            sender = identity.bytes.decode(errors="replace")
+            frames = [part.bytes for part in parts]
             try:
-                reply = self._on_frames(sender, frames)
+                reply = self._on_frames(sender, frames, _key_role(parts))
             except Exception:  # noqa: BLE001  one message must not end the control plane
                 log.exception("handling a control message from %r failed", sender)
                 reply = m.ErrorReply(error="internal error; see the conductor's log")
             for answer in reply if isinstance(reply, list) else () if reply is None else (reply,):
                 try:
-                    await self.router.send_multipart([identity, m.encode(answer)])
+                    await self.router.send_multipart([identity.bytes, m.encode(answer)])
                 except zmq.ZMQError as exc:  # the sender is gone (ROUTER_MANDATORY)
                     log.debug("cannot answer %r: %s", sender, exc)
                     break
 
-    def _on_frames(self, sender: str, frames: list[bytes]):
+    def _on_frames(self, sender: str, frames: list[bytes], key_role: str | None = None):
         try:
             if len(frames) != 1:
                 raise m.MessageError(f"expected 1 frame after the identity, got {len(frames)}")
@@ -109,13 +110,17 @@ class ControlPlane:
         except m.MessageError as exc:
             log.warning("malformed control message from %r: %s", sender, exc)
             return m.ErrorReply(error=str(exc))
-        return self._handle(msg, sender)
+        return self._handle(msg, sender, key_role)
 
-    def _handle(self, msg, sender: str):
-        """One control message from the connection whose identity is `sender`; returns the reply, if any
-        (a list of them for a `StepTokens`)."""
+    def _handle(self, msg, sender: str, key_role: str | None = None):
+        """One control message from the connection whose identity is `sender` and whose key is `key_role`'s
+        (None without keys); returns the reply, if any (a list of them for a `StepTokens`)."""
         now = self.clock()
         if isinstance(msg, m.Register):
+            if security.is_secured() and key_role != msg.role:
+                log.error("refused %s: it registers as a %s with a %s's key", msg.instance_id, msg.role, key_role)
+                return m.RegisterReply(accepted=False, error=f"this connection's key is a {key_role}'s; it may not "
+                                                             f"register a {msg.role} instance")
             return self._register(msg, sender, now)
         if isinstance(msg, (m.Heartbeat, m.Leave)) and msg.instance_id != sender:
             log.warning("ignored %s naming %r from the connection of %r", msg.TAG, msg.instance_id, sender)
@@ -187,7 +192,12 @@ class ControlPlane:
             self.index.drop_holder(instance.instance_id)
             log.info("%s: %d cached blocks indexed from its snapshot", instance.instance_id, len(msg.cached_blocks))
         if msg.cached_blocks:
-            self.index.add(instance.instance_id, msg.cached_blocks)
+            # NOTE: no holder claims more blocks than its KV cache holds: one instance cannot fill the index.
+            room = max(0, instance.num_kv_blocks - self.index.count(instance.instance_id))
+            if len(msg.cached_blocks) > room:
+                log.warning("%s reports %d cached blocks beyond its %d KV blocks; %d of them indexed",
+                            instance.instance_id, len(msg.cached_blocks) - room, instance.num_kv_blocks, room)
+            self.index.add(instance.instance_id, msg.cached_blocks[:room])
         if msg.evicted_blocks:
             self.index.remove(instance.instance_id, msg.evicted_blocks)
         for batch, context, seconds in msg.step_samples:
@@ -222,3 +232,13 @@ class ControlPlane:
             self.on_dead(instance, why)
         except Exception:  # noqa: BLE001  the next instance's expiry must still happen
             log.exception("moving the requests of %s failed", instance.instance_id)
+
+
+def _key_role(parts) -> str | None:
+    """The role of the key a message's connection authenticated with (its ZAP User-Id); None without keys."""
+    if not security.is_secured() or not parts:
+        return None
+    try:
+        return security.role_of(parts[-1].get("User-Id"))
+    except zmq.ZMQError:  # no such property: the connection was not authenticated
+        return None

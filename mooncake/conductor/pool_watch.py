@@ -61,7 +61,7 @@ class PoolWatcher:
     async def _ask(self, address: str, request):
         """One request/reply with a node on a fresh socket (so a late reply never answers the next
         question); None if it did not answer in time."""
-        sock = security.client(self.ctx.socket(zmq.DEALER))
+        sock = security.client(self.ctx.socket(zmq.DEALER), server="cache")
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         try:
@@ -93,7 +93,7 @@ class PoolWatcher:
                 await asyncio.sleep(RETRY_S)
                 continue
             is_first = True
-            sub = security.client(self.ctx.socket(zmq.SUB))
+            sub = security.client(self.ctx.socket(zmq.SUB), server="cache")
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # a node that dies closes its connection

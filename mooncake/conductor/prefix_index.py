@@ -7,19 +7,28 @@ from collections.abc import Iterable
 class PrefixIndex:
     def __init__(self):
         self._holders: dict[int, set[str]] = {}
+        self._counts: dict[str, int] = {}  # blocks per holder
 
     def __len__(self) -> int:
         return len(self._holders)
 
+    def count(self, holder: str) -> int:
+        """How many blocks `holder` has in the index."""
+        return self._counts.get(holder, 0)
+
     def add(self, holder: str, hashes: Iterable[int]) -> None:
         for h in hashes:
-            self._holders.setdefault(h, set()).add(holder)
+            holders = self._holders.setdefault(h, set())
+            if holder not in holders:
+                holders.add(holder)
+                self._counts[holder] = self._counts.get(holder, 0) + 1
 
     def remove(self, holder: str, hashes: Iterable[int]) -> None:
         for h in hashes:
             holders = self._holders.get(h)
-            if holders is not None:
+            if holders is not None and holder in holders:
                 holders.discard(holder)
+                self._counts[holder] -= 1
                 if not holders:
                     del self._holders[h]
 
@@ -27,6 +36,7 @@ class PrefixIndex:
         """A holder died or left: forget everything it had."""
         for h in [h for h, hs in self._holders.items() if holder in hs]:
             self.remove(holder, [h])
+        self._counts.pop(holder, None)
 
     def holders(self, block_hash: int) -> set[str]:
         return self._holders.get(block_hash, set())

@@ -74,7 +74,7 @@ class CacheClient:
                        for coro, what in loops]
 
     def _connect(self, address: str) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
-        sock = security.client(self.ctx.socket(zmq.DEALER))
+        sock = security.client(self.ctx.socket(zmq.DEALER), server="cache")
         sock.setsockopt(zmq.LINGER, 0)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(address)

@@ -101,8 +101,8 @@ class CacheServer:
         self.service = StoreService(self.store, cfg.read_lease_s)
         self.data_address = await self.transport.start(self.service, cfg.data_address or None)
         self.ctx = zmq.asyncio.Context()
-        self.control = security.server(self.ctx.socket(zmq.ROUTER))
-        self.events = security.server(self.ctx.socket(zmq.PUB))
+        self.control = security.server(self.ctx.socket(zmq.ROUTER), role="cache")
+        self.events = security.server(self.ctx.socket(zmq.PUB), role="cache")
         for sock, key, address in ((self.control, "cache.control_address", cfg.control_address),
                                    (self.events, "cache.events_address", cfg.events_address)):
             sock.setsockopt(zmq.LINGER, 0)

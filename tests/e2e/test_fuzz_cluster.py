@@ -40,12 +40,12 @@ def listening(cluster) -> dict[str, str]:
             "cache data": hello.data_address, "decode inbox": inbox}
 
 
-def dealer(address: str, keys=None) -> zmq.Socket:
+def dealer(address: str, keys=None, server: str = "cache") -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, 200)  # a refused handshake leaves nothing to queue on: never wait long
     if keys is not None:
-        security.client(sock, keys=keys)
+        security.client(sock, keys=keys, server=server)
     sock.connect(address)
     return sock
 
@@ -57,7 +57,8 @@ def test_random_frames_at_every_listening_socket_leave_every_role_serving(cluste
         security.configure(load_config(None, {"security.keys_dir": cluster.config.security.keys_dir}))
     # NOTE: control sockets are CURVE; a transport's data socket is plain and its messages sealed instead.
     addresses = listening(cluster)
-    sockets = {name: dealer(address, keys if "control" in name else None) for name, address in addresses.items()}
+    sockets = {name: dealer(address, keys if "control" in name else None, name.split()[0])
+               for name, address in addresses.items()}
     counter = itertools.count(1)
     try:
         @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

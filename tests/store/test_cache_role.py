@@ -56,7 +56,7 @@ class CacheNode:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()
-            sock = security.client(ctx.socket(zmq.DEALER), keys=self.keys)
+            sock = security.client(ctx.socket(zmq.DEALER), keys=self.keys, server="cache")
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.control)
             sock.send(m.encode(m.Hello()))
