@@ -57,6 +57,11 @@ _keys: ClusterKeys | None = None
 _keys_dir = ""
 _other_pairs: dict[str, ClusterKeys] = {}  # roles this process also serves as (tests, tools)
 _mac_key: bytes | None = None  # seals transport messages (below); derived from the data secret
+# What a data socket's peer must present (ZeroMQ PLAIN, checked by ZAP before any frame of it is read);
+# derived from the data secret
+_data_password: bytes | None = None
+DATA_USER = b"mooncake-data"
+DATA_DOMAIN = "mooncake-data"
 MAC_BYTES = 16
 _authenticators: dict[int, ThreadAuthenticator] = {}  # by ZeroMQ context handle
 
@@ -106,10 +111,10 @@ def configure(config, role: str = "prefill") -> None:
     """Load this process's keys (`role`'s pair; a tool acts as an instance) from a MooncakeConfig's
     [security] table, or refuse to run without them on an address beyond loopback (unless
     security.insecure)."""
-    global _keys, _mac_key, _keys_dir
+    global _keys, _mac_key, _keys_dir, _data_password
     sec = config.security
     _keys = load_keys(sec.keys_dir, role) if sec.keys_dir else None
-    _keys_dir, _mac_key = sec.keys_dir, None
+    _keys_dir, _mac_key, _data_password = sec.keys_dir, None, None
     _other_pairs.clear()
     if _keys is not None and role in DATA_ROLES:
         data = Path(sec.keys_dir) / DATA_SECRET
@@ -118,6 +123,7 @@ def configure(config, role: str = "prefill") -> None:
         except OSError as exc:
             raise ConfigError(f"config key 'security.keys_dir': a {role} moves KV and needs {data} ({exc})") from None
         _mac_key = hashlib.blake2b(b"mooncake transport MAC", key=secret[:64], digest_size=32).digest()
+        _data_password = hashlib.blake2b(b"mooncake data plane password", key=secret[:64]).hexdigest().encode()
     if _keys is None:
         exposed = sorted(a for a in _addresses(config) if not _is_loopback(a))
         if exposed and not sec.insecure:
@@ -130,8 +136,8 @@ def configure(config, role: str = "prefill") -> None:
 
 def reset() -> None:
     """Forget the process's keys (tests)."""
-    global _keys, _mac_key
-    _keys = _mac_key = None
+    global _keys, _mac_key, _data_password
+    _keys = _mac_key = _data_password = None
     _other_pairs.clear()
 
 
@@ -145,6 +151,10 @@ def server(sock: zmq.Socket, max_bytes: int = CONTROL_MAX_BYTES, curve: bool = T
     only the roles that may call it (ADMITS), when keys are configured (`curve=False`: a transport's data
     socket, whose messages are sealed instead; see `seal`)."""
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    if _data_password is not None and not curve:  # NOTE: a peer without the data secret is refused at its
+        _authenticate_data(sock.context)          # handshake: nothing it sends is ever read or buffered
+        sock.plain_server = True
+        sock.zap_domain = DATA_DOMAIN.encode()
     if _keys is not None and curve:
         keys = _pair(role or _keys.role)
         sock.curve_secretkey = keys.secret
@@ -169,6 +179,9 @@ def client(sock: zmq.Socket, max_bytes: int = CONTROL_MAX_BYTES, keys: ClusterKe
     """Set up a socket that connects to a `server` role's socket: a CURVE client with this role's key, when
     keys are configured (or with `keys`, for a tool that talks to a cluster it is not a role of)."""
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    if _data_password is not None and not curve:
+        sock.plain_username = DATA_USER
+        sock.plain_password = _data_password
     keys = keys or _keys
     if keys is not None and curve:
         sock.curve_secretkey = keys.secret
@@ -218,14 +231,23 @@ class _Admitted:
         return admitted
 
 
-def _authenticate(ctx: zmq.Context, keys: ClusterKeys) -> bytes:
-    """Start the context's ZAP handler if needed; the domain of `keys`' role's server sockets."""
-    domain = f"{ZAP_DOMAIN.decode()}-{keys.role}"
+def _authenticator(ctx: zmq.Context) -> ThreadAuthenticator:
     auth = _authenticators.get(ctx.underlying)
     if auth is None:
         auth = _authenticators[ctx.underlying] = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying))
         auth.start()
-    auth.configure_curve_callback(domain=domain, credentials_provider=_Admitted(keys, ADMITS.get(keys.role, ROLES)))
+    return auth
+
+
+def _authenticate_data(ctx: zmq.Context) -> None:
+    """Data sockets admit a peer that presents the data plane's password (PLAIN, before any frame)."""
+    _authenticator(ctx).configure_plain(domain=DATA_DOMAIN, passwords={DATA_USER.decode(): _data_password.decode()})
+
+
+def _authenticate(ctx: zmq.Context, keys: ClusterKeys) -> bytes:
+    """Start the context's ZAP handler if needed; the domain of `keys`' role's server sockets."""
+    domain = f"{ZAP_DOMAIN.decode()}-{keys.role}"
+    _authenticator(ctx).configure_curve_callback(domain=domain, credentials_provider=_Admitted(keys, ADMITS.get(keys.role, ROLES)))
     return domain.encode()
 
 

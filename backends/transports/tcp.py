@@ -322,6 +322,7 @@ class TcpTransport(Transport):
             self._loop.remove_reader(self._server.getsockopt(zmq.FD))
             self._server.close(linger=0)
         self._peers.clear()
+        security.release(self.ctx)  # its ZAP handler (data sockets' password check), if it has one
         self.ctx.term()
 
 

@@ -40,12 +40,16 @@ def listening(cluster) -> dict[str, str]:
             "cache data": hello.data_address, "decode inbox": inbox}
 
 
-def dealer(address: str, keys=None, server: str = "cache") -> zmq.Socket:
+def dealer(address: str, keys=None, server: str = "cache", data: bool = False) -> zmq.Socket:
+    """`keys`: a member's, for a control socket (CURVE); `data`: a data socket, with this process's data
+    plane password when it holds the cluster's keys."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, 200)  # a refused handshake leaves nothing to queue on: never wait long
     if keys is not None:
         security.client(sock, keys=keys, server=server)
+    elif data:
+        security.client(sock, curve=False)
     sock.connect(address)
     return sock
 
@@ -57,7 +61,7 @@ def test_random_frames_at_every_listening_socket_leave_every_role_serving(cluste
         security.configure(load_config(None, {"security.keys_dir": cluster.config.security.keys_dir}))
     # NOTE: control sockets are CURVE; a transport's data socket is plain and its messages sealed instead.
     addresses = listening(cluster)
-    sockets = {name: dealer(address, keys if "control" in name else None, name.split()[0])
+    sockets = {name: dealer(address, keys if "control" in name else None, name.split()[0], "control" not in name)
                for name, address in addresses.items()}
     counter = itertools.count(1)
     try:

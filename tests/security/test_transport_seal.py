@@ -39,7 +39,8 @@ def _payload(block_hash: int, data: bytes) -> bytes:
 
 
 async def _unanswered(address: str, frames: list[bytes]) -> bool:
-    raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    # NOTE: with the data plane's password: it travels in the clear, so an on-path host learns it
+    raw = security.client(zmq.asyncio.Context.instance().socket(zmq.DEALER), curve=False)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(address)
     try:
@@ -121,7 +122,8 @@ def test_forged_kv_delivered_under_a_withheld_genuine_seal_is_refused(keyed, mon
 
 
 async def _reply(address: str, frames: list[bytes]):
-    raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    # NOTE: with the data plane's password: it travels in the clear, so an on-path host learns it
+    raw = security.client(zmq.asyncio.Context.instance().socket(zmq.DEALER), curve=False)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(address)
     try:
