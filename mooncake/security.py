@@ -125,7 +125,7 @@ def configure(config, role: str = "prefill") -> None:
         _mac_key = hashlib.blake2b(b"mooncake transport MAC", key=secret[:64], digest_size=32).digest()
         _data_password = hashlib.blake2b(b"mooncake data plane password", key=secret[:64]).hexdigest().encode()
     if _keys is None:
-        exposed = sorted(a for a in _addresses(config) if not _is_loopback(a))
+        exposed = sorted(a for a in _addresses(config) if not is_loopback(a))
         if exposed and not sec.insecure:
             raise ConfigError(f"this role would listen or connect beyond loopback ({', '.join(exposed)}) with no "
                               f"keys: set security.keys_dir (make keys with `mooncake keys generate DIR`), or "
@@ -260,7 +260,7 @@ def _addresses(config) -> list[str]:
     return [h for h in hosts + [config.transport.host] if h]
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:

@@ -386,7 +386,7 @@ def run_netns(args) -> None:
     if (why := netns_unavailable()) is not None:
         raise SystemExit(f"--netns: {why}")
     with tempfile.TemporaryDirectory(prefix="bench-keys-") as tmp, NetnsLab(2) as lab:
-        keys = security.generate_keys(Path(tmp) / "keys").parent
+        keys = security.generate_keys(Path(tmp) / "keys")
         server, client = lab.hosts
         argv = [sys.executable, __file__, "--netns-client", server.netns, server.address, client.address,
                 "--keys", str(keys), "--transports", args.transports, "--budget-mib", str(args.budget_mib),

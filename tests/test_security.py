@@ -161,24 +161,12 @@ def test_the_conductor_ignores_peers_without_the_cluster_key(tiny_dir, keyed):
 @pytest.mark.parametrize("name", ["tcp", "shm", "mooncake"])
 def test_keyed_transports_move_blocks_and_ignore_unsealed_or_forged_messages(name, keyed):
     import msgpack
-    import zmq.asyncio
 
     from mooncake.registry import load_backend
     from mooncake.transfer.framing import binding, block_frames, pack_header, seal_for
+    from tests.security.test_transport_seal import unanswered  # with the data plane's password: it meets the MAC
     from tests.transfer.test_transport_contract import DictService, available
     available(name)
-
-    async def unanswered(address, frames) -> bool:
-        # NOTE: with the data plane's password (this process holds the keys), so the frames reach the endpoint
-        # and its MAC check; without it they would not get past the handshake (tests/security/).
-        raw = security.client(zmq.asyncio.Context.instance().socket(zmq.DEALER), curve=False)
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.connect(address)
-        try:
-            await raw.send_multipart(frames)
-            return not await raw.poll(1000)
-        finally:
-            raw.close()
 
     async def run():
         cls = load_backend("transports", name)

@@ -12,7 +12,6 @@
 
 import asyncio
 import hmac
-import ipaddress
 import logging
 import ssl
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from aiohttp import web
 from mooncake.api.schemas import ApiError, bad
 from mooncake.config import ApiConfig, ApiKeyConfig, MooncakeConfig
 from mooncake.errors import ConfigError
+from mooncake.security import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ OVERLOADED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/js
 def check_exposure(config: MooncakeConfig) -> None:
     """An API beyond loopback needs a key, unless the operator says the network is trusted."""
     cfg = config.api
-    if not cfg.is_keyed and not _is_loopback(cfg.host) and not config.security.insecure:
+    if not cfg.is_keyed and not is_loopback(cfg.host) and not config.security.insecure:
         raise ConfigError(f"config key 'api.api_key' is empty while api.host = {cfg.host} serves beyond loopback: "
                           f"anyone who reaches it could use the cluster; set a key (`openssl rand -hex 32`), or "
                           f"security.insecure = true on a network you trust")
@@ -178,11 +178,3 @@ def _host_name(host: str | None) -> str:
         return host[1:host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -38,7 +38,7 @@ def _payload(block_hash: int, data: bytes) -> bytes:
                      checksum=checksum(data), data=data).to_bytes()
 
 
-async def _unanswered(address: str, frames: list[bytes]) -> bool:
+async def unanswered(address: str, frames: list[bytes]) -> bool:
     # NOTE: with the data plane's password: it travels in the clear, so an on-path host learns it
     raw = security.client(zmq.asyncio.Context.instance().socket(zmq.DEALER), curve=False)
     raw.setsockopt(zmq.LINGER, 0)
@@ -82,8 +82,8 @@ def test_a_captured_sealed_message_is_good_once_for_its_receiver(name, keyed, mo
             assert (await client.send(address, [(1, block)], timeout_s=10, self_checked=True)).ok
             (message,) = [m for m in captured if b"put" in m[2]]
             service.blocks.clear()
-            assert await _unanswered(address, message)  # replayed to its endpoint
-            assert await _unanswered(other_address, message)  # sent to another endpoint
+            assert await unanswered(address, message)  # replayed to its endpoint
+            assert await unanswered(other_address, message)  # sent to another endpoint
             assert service.blocks == {} and other_service.blocks == {}
             assert server.refused == 1 and other.refused == 1
             assert (await client.send(address, [(2, block)], timeout_s=10, self_checked=True)).ok  # it goes on
