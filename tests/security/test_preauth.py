@@ -30,7 +30,7 @@ def keyed(tmp_path):
 
 
 @pytest.mark.parametrize("password", [None, b"guessed"])
-@pytest.mark.parametrize("name", ["tcp", "shm"])
+@pytest.mark.parametrize("name", ["tcp", "shm", "mooncake"])  # mooncake: its doorbells' socket
 def test_a_peer_without_the_data_secret_is_refused_before_any_frame_is_read(name, password, keyed):
     available(name)
 
