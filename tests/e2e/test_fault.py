@@ -27,7 +27,7 @@ def cluster(tiny_dir, tmp_path_factory):
 
 def cache_stats(cluster) -> dict:
     sock = security.client(zmq.Context.instance().socket(zmq.DEALER),
-                           keys=security.load_keys(cluster.config.security.keys_dir))
+                           keys=security.load_keys(cluster.config.security.keys_dir), server="cache")
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(cluster.config.cache_client.nodes[0])
     try:
