@@ -136,6 +136,8 @@ class Conductor:
                 self.metrics.rejections.labels(exc.reason).inc()
                 log.info("rejected %s: %s", flight.request_id, exc)
                 raise
+            except Unavailable:  # no instance to place it on: refused before anything of it was counted
+                raise
             except LegFailed as exc:  # an instance died and the liveness watch has not seen it yet
                 self._end_leg(flight)
                 flight.num_legs, avoid = 0, avoid + exc.suspects
