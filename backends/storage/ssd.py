@@ -122,14 +122,18 @@ class SsdTier(StorageTier):
         # through (a link to a file of someone else's choice), and a rename replaces a link, never follows it.
         tmp = self.directory / f".{secrets.token_hex(8)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with open(fd, "wb") as f:
-            header = HEADER.pack(MAGIC, VERSION, key, len(view), checksum(view))
-            f.write(header + _seal(header))
-            f.write(view)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
+        try:
+            with open(fd, "wb") as f:
+                header = HEADER.pack(MAGIC, VERSION, key, len(view), checksum(view))
+                f.write(header + _seal(header))
+                f.write(view)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:  # a full disk, say: no temp file stays behind to fill it further
+            tmp.unlink(missing_ok=True)
+            raise
         if self.fsync:
             self._fsync_directory()
         self._sizes[key] = len(view)
@@ -173,7 +177,7 @@ def _read_verified(path: Path, max_bytes: int) -> tuple[int, memoryview] | None:
     """(key, data) of a whole, uncorrupted block file this cluster wrote, else None. A link, anything but a
     regular file, or a file over `max_bytes` of data is not read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block us
     except OSError:
         return None
     with open(fd, "rb") as f:

@@ -192,14 +192,15 @@ class ControlPlane:
             self.index.drop_holder(instance.instance_id)
             log.info("%s: %d cached blocks indexed from its snapshot", instance.instance_id, len(msg.cached_blocks))
         if msg.cached_blocks:
-            # NOTE: no holder claims more blocks than its KV cache holds: one instance cannot fill the index.
-            room = max(0, instance.num_kv_blocks - self.index.count(instance.instance_id))
-            if len(msg.cached_blocks) > room:
-                log.warning("%s reports %d cached blocks beyond its %d KV blocks; %d of them indexed",
-                            instance.instance_id, len(msg.cached_blocks) - room, instance.num_kv_blocks, room)
-            self.index.add(instance.instance_id, msg.cached_blocks[:room])
+            self.index.add(instance.instance_id, msg.cached_blocks)
         if msg.evicted_blocks:
             self.index.remove(instance.instance_id, msg.evicted_blocks)
+        # NOTE: no holder claims more blocks than its KV cache holds (one instance cannot fill the index): what
+        # is over, after this report's evictions, goes from its newest additions.
+        if (excess := self.index.count(instance.instance_id) - instance.num_kv_blocks) > 0:
+            log.warning("%s reports %d cached blocks beyond its %d KV blocks; not indexed", instance.instance_id,
+                        excess, instance.num_kv_blocks)
+            self.index.remove(instance.instance_id, msg.cached_blocks[-excess:])
         for batch, context, seconds in msg.step_samples:
             if instance.role == "decode":
                 self.estimators.decode_step.observe(batch, context, seconds)

@@ -178,6 +178,8 @@ class EngineLoop:
                 request_ids = list(self.engine.seqs)
                 for request_id in request_ids:
                     self.engine.abort(request_id)
+                # NOTE: and those the step had failed alone before it raised (aborted already)
+                request_ids += [request_id for request_id, _ in self.engine.drain_failed()]
                 await self.on_failed(request_ids, f"engine step failed: {exc}")
                 previous_end = None
                 continue

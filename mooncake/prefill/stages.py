@@ -157,7 +157,9 @@ class PrefillStages:
         except (MooncakeError, asyncio.TimeoutError) as exc:
             if self.jobs.pop(rid, None) is not None:
                 log.warning("%s: CPP stage %d of request %s failed: %s", worker.name, msg.stage, rid, exc)
-                await worker.report_failure(rid, f"CPP stage {msg.stage}: {exc}")
+                # NOTE: a request the model cannot sample (InvalidRequestError) fails alone; moving it would not help
+                await worker.report_failure(rid, f"CPP stage {msg.stage}: {exc}",
+                                            is_invalid=isinstance(exc, InvalidRequestError))
         finally:
             self.jobs.pop(rid, None)
             for push in pushes:

@@ -28,6 +28,13 @@ def test_an_instance_indexes_at_most_its_kv_blocks(tiny_dir):
         assert index.count("prefill-greedy") == 8 and len(index) == 8
         indexed = {h for h in (0, 1, 2, 3, 4, 5, 7, 8, 9, 100, 101, 102) if index.holders(h)}
         assert indexed == {2, 3, 4, 5, 100, 101, 7, 8}  # room freed by evictions is used again, never more
+        # a full cache's steady state: a report evicts as many as it adds, and the new ones are indexed
+        sock.send(m.encode(m.Heartbeat(instance_id="prefill-greedy", seq=5, cached_blocks=[200, 201],
+                                       evicted_blocks=[2, 3])))
+        while served.loop.time() < deadline + 10 and not index.holders(201):
+            sock.poll(50)
+        assert index.holders(200) and index.holders(201) and not index.holders(2)
+        assert index.count("prefill-greedy") == 8
     finally:
         sock.close()
         served.close()

@@ -132,3 +132,23 @@ def test_shm_never_maps_a_peer_segment_through_a_link(tmp_path):
     finally:
         link.unlink()
         transport.path.unlink(missing_ok=True)  # its mapping goes with the object
+
+
+def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    tier = SsdTier(tmp_path / "ssd", CAPACITY, fsync=True)
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ssd.os, "fsync", full)
+    for key in range(3):
+        with pytest.raises(OSError):
+            tier.put(key, b"x" * 1000)
+    assert os.listdir(tmp_path / "ssd") == [] and tier.used_bytes == 0
+
+
+def test_a_fifo_at_a_block_name_is_dropped_without_blocking(tmp_path):
+    directory = tmp_path / "ssd"
+    SsdTier(directory, CAPACITY, fsync=False)
+    os.mkfifo(directory / f"{3:016x}{ssd.SUFFIX}")  # opening it for reading would wait for a writer
+    again = SsdTier(directory, CAPACITY, fsync=False)
+    assert list(again.keys()) == [] and again.num_dropped_on_start == 1
