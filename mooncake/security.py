@@ -231,10 +231,15 @@ class _Admitted:
         return admitted
 
 
+# NOTE: pyzmq's authenticator logs a PLAIN password at DEBUG: its lines go to a logger that never shows DEBUG.
+_zap_log = logging.getLogger(__name__ + ".zap")
+_zap_log.setLevel(logging.INFO)
+
+
 def _authenticator(ctx: zmq.Context) -> ThreadAuthenticator:
     auth = _authenticators.get(ctx.underlying)
     if auth is None:
-        auth = _authenticators[ctx.underlying] = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying))
+        auth = _authenticators[ctx.underlying] = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying), log=_zap_log)
         auth.start()
     return auth
 
@@ -247,7 +252,8 @@ def _authenticate_data(ctx: zmq.Context) -> None:
 def _authenticate(ctx: zmq.Context, keys: ClusterKeys) -> bytes:
     """Start the context's ZAP handler if needed; the domain of `keys`' role's server sockets."""
     domain = f"{ZAP_DOMAIN.decode()}-{keys.role}"
-    _authenticator(ctx).configure_curve_callback(domain=domain, credentials_provider=_Admitted(keys, ADMITS.get(keys.role, ROLES)))
+    admitted = _Admitted(keys, ADMITS.get(keys.role, ROLES))
+    _authenticator(ctx).configure_curve_callback(domain=domain, credentials_provider=admitted)
     return domain.encode()
 
 
