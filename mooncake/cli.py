@@ -62,7 +62,7 @@ def generate(
               file=sys.stderr)
 
 
-ROLES = ("conductor", "prefill", "decode", "cache")
+ROLES = ("conductor", "api", "prefill", "decode", "cache")
 
 
 @app.command()
@@ -72,10 +72,13 @@ def serve(
 ):
     """Run one mooncake role until Ctrl-C or SIGTERM.
 
-    conductor: the OpenAI-compatible REST endpoint ([api]) and the global scheduler ([conductor]); prefill
-    and decode instances register with it. prefill / decode: an engine ([engine]) serving the conductor at
-    [instance].conductor_address; KV moves prefill -> decode over [instance].transport, and prefill reads
-    and writes the cache pool ([cache_client]). cache: a KVCache store node ([store], [cache])."""
+    conductor: the global scheduler ([conductor]); prefill and decode instances and API processes register
+    with it. api: the OpenAI-compatible REST endpoint ([api]); it asks the conductor at
+    [instance].conductor_address to place each request, and instances stream its tokens straight to it (run
+    as many as you like: behind one port with [api].reuse_port, or behind a load balancer). prefill /
+    decode: an engine ([engine]) serving the conductor at [instance].conductor_address; KV moves prefill ->
+    decode over [instance].transport, and prefill reads and writes the cache pool ([cache_client]). cache:
+    a KVCache store node ([store], [cache])."""
     from mooncake.config import load_config
     from mooncake.errors import ConfigError
     from mooncake.runtime import run_service
@@ -99,11 +102,14 @@ def make_role(role: str, cfg):
     if role == "decode":
         from mooncake.decode.worker import DecodeWorker
         return DecodeWorker(cfg)
-    from mooncake.api.server import ApiServer
+    if role == "api":
+        from mooncake.api.front_door import FrontDoor
+        from mooncake.api.server import ApiServer
+        from mooncake.runtime import ServiceStack
+        door = FrontDoor(cfg)
+        return ServiceStack("API process", [door, ApiServer(cfg, door, reuse_port=cfg.api.reuse_port)])
     from mooncake.conductor.service import Conductor
-    from mooncake.runtime import ServiceStack
-    conductor = Conductor(cfg)
-    return ServiceStack("conductor", [conductor, ApiServer(cfg, conductor)])
+    return Conductor(cfg)
 
 
 def dev_defaults() -> dict:
@@ -124,6 +130,8 @@ def dev(
                                   "instances, each prefilling and decoding its requests itself (vLLM-like), "
                                   "placed by the same conductor (conductor.mode = colocated)."),
     cache: int = typer.Option(1, "--cache", "-C", help="Cache nodes (0: no shared KVCache pool)."),
+    api: int = typer.Option(1, "--api", help="API processes, all listening on the one port (SO_REUSEPORT: "
+                            "the kernel spreads connections); each tokenizes and streams its own requests."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Catalog name or local Hugging Face "
                                         "directory. Default: the config's engine.model (SmolLM2-135M-Instruct)."),
     port: int = typer.Option(8000, "--port", "-p", help="HTTP port of the OpenAI API (0: any free port)."),
@@ -166,7 +174,7 @@ def dev(
         overrides["instance.transport"] = transport
     cfg = load_config(config, overrides)
     resolve_model(cfg.engine.model)  # fetch once here, not in every process at the same time
-    run_dev(DevCluster(cfg, prefill, decode, cache, workdir), timeout, question, restart)
+    run_dev(DevCluster(cfg, prefill, decode, cache, workdir, num_api=api), timeout, question, restart)
 
 
 keys_app = typer.Typer(no_args_is_help=True, help="The cluster's keys: a CURVE pair per role, and the data plane's "

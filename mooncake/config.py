@@ -245,7 +245,9 @@ class ApiKeyConfig:
 
 @dataclass(frozen=True)
 class ApiConfig:
-    """The conductor's OpenAI-compatible HTTP endpoint (mooncake/api/)."""
+    """An API process's OpenAI-compatible HTTP endpoint (mooncake/api/; `mooncake serve --role api`). It
+    reaches the conductor at instance.conductor_address, and follows conductor.request_deadline_s,
+    prefill_timeout_s, token_timeout_s and migration_limit for the requests it streams."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -263,6 +265,11 @@ class ApiConfig:
     tls_cert: str = ""  # PEM certificate chain: serve HTTPS (with api.tls_key)
     tls_key: str = ""
     metrics_key: str = ""  # non-empty: /metrics and /health need "Authorization: Bearer <metrics_key>"
+    # Where prefill and decode instances send this process's tokens (a ZeroMQ address; port 0: any free
+    # one). Empty: this host's address on the route to the conductor, any free port.
+    report_address: str = ""
+    conductor_wait_s: float = 10.0  # a new request waits this long for an absent conductor, then gets 503
+    reuse_port: bool = False  # SO_REUSEPORT: several API processes of this host listen on api.port together
 
     def __post_init__(self):
         _check(0 <= self.port < 65536, "api.port", "must be a TCP port (0 picks a free one)")
@@ -277,6 +284,9 @@ class ApiConfig:
         _check(self.header_timeout_s > 0, "api.header_timeout_s", "must be > 0")
         _check(self.body_timeout_s > 0, "api.body_timeout_s", "must be > 0")
         _check(self.max_connections > 0, "api.max_connections", "must be > 0")
+        _check(self.conductor_wait_s > 0, "api.conductor_wait_s", "must be > 0")
+        _check(not self.report_address or "://" in self.report_address, "api.report_address",
+               "must be a ZeroMQ address like tcp://198.18.0.10:0, or empty")
         _check(bool(self.tls_cert) == bool(self.tls_key), "api.tls_cert",
                "and api.tls_key go together: set both to serve HTTPS, or neither")
 

@@ -1,5 +1,5 @@
-"""`mooncake dev`: a whole cluster on this box, one process per role (cache nodes, conductor, prefill and
-decode instances), on free loopback ports. Writes one config per process, starts them in dependency
+"""`mooncake dev`: a whole cluster on this box, one process per role (cache nodes, conductor, API processes,
+prefill and decode instances), on free loopback ports; N API processes share the one HTTP port. Writes one config per process, starts them in dependency
 order, waits until the conductor reports every instance, and stops them all (SIGTERM, then SIGKILL
 after a deadline) on Ctrl-C, SIGTERM or `stop()`. Tests start clusters the same way."""
 
@@ -71,7 +71,7 @@ def check_port_free(host: str, port: int) -> None:
 
 @dataclass
 class Process:
-    name: str  # "conductor", "prefill-0", "decode-1", "cache-0"
+    name: str  # "conductor", "api-0", "prefill-0", "decode-1", "cache-0"
     role: str
     config_path: Path
     log_path: Path | None
@@ -87,11 +87,13 @@ class Process:
 
 class DevCluster:
     def __init__(self, config: MooncakeConfig, num_prefill: int = 1, num_decode: int = 1, num_cache: int = 1,
-                 workdir: Path | None = None, log_to_files: bool = False):
+                 workdir: Path | None = None, log_to_files: bool = False, num_api: int = 1):
         colocated = config.conductor.mode == "colocated"
         if num_decode < 1 or num_cache < 0 or (num_prefill < 1 and not colocated):
             raise MooncakeError("a cluster needs at least one prefill and one decode instance"
                                 if not colocated else "a colocated cluster needs at least one instance")
+        if num_api < 1:
+            raise MooncakeError("a cluster needs at least one API process (--api)")
         if colocated and num_prefill:
             raise MooncakeError("a colocated cluster has no prefill instances: its instances prefill themselves")
         if config.api.port:
@@ -114,7 +116,7 @@ class DevCluster:
             config,
             security=dataclasses.replace(config.security, keys_dir=keys_dir),
             conductor=dataclasses.replace(config.conductor, control_address=conductor_address),
-            api=dataclasses.replace(config.api, port=api_port),
+            api=dataclasses.replace(config.api, port=api_port, reuse_port=num_api > 1 or config.api.reuse_port),
             cache_client=dataclasses.replace(config.cache_client, nodes=tuple(c[1] for c in caches),
                                              replica_num=min(config.cache_client.replica_num, max(1, num_cache))),
             instance=dataclasses.replace(config.instance, conductor_address=conductor_address,
@@ -127,6 +129,8 @@ class DevCluster:
                 base.cache, node_id=node_id, control_address=control, events_address=events,
                 transport=base.instance.transport)))
         self._add("conductor", "conductor", base)
+        for i in range(num_api):
+            self._add(f"api-{i}", "api", base)
         for role, n in (("prefill", num_prefill), ("decode", num_decode)):
             for i in range(n):
                 self._add(f"{role}-{i}", role, dataclasses.replace(base, instance=dataclasses.replace(
@@ -185,7 +189,8 @@ class DevCluster:
         health = {}
         while time.monotonic() < deadline:
             for proc in self.processes:
-                if proc.popen is not None and proc.popen.poll() is not None and proc.role in ("conductor", "cache"):
+                if proc.popen is not None and proc.popen.poll() is not None and proc.role in ("conductor", "api",
+                                                                                             "cache"):
                     raise MooncakeError(f"{proc.name} exited with status {proc.popen.returncode} during start"
                                         + self._log_tail(proc))
             health = self.health()

@@ -41,3 +41,39 @@ class BackendError(MooncakeError):
 
 class CapacityError(MooncakeError):
     """A store cannot take a block: it is full and nothing in it may be evicted."""
+
+
+# -- how a request can end other than finished (the API maps each to its HTTP status) ----------------
+
+class Unavailable(MooncakeError):
+    """No live instance can take the request, or no conductor answers (HTTP 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Rejected(MooncakeError):
+    """Admission predicts an SLO miss (HTTP 429 with Retry-After)."""
+
+    def __init__(self, reason: str, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class RequestError(MooncakeError):
+    """The request ended in an error on the way (deadline, refused by an instance, no instance left)."""
+
+    def __init__(self, message: str, is_invalid: bool = False):
+        super().__init__(message)
+        self.is_invalid = is_invalid
+
+
+class LegFailed(MooncakeError):
+    """A leg cannot go on (its instance died, hung or failed it); the request may migrate. `suspects`
+    are the instances not to place the next leg on while others are alive."""
+
+    def __init__(self, message: str, suspects: tuple[str, ...]):
+        super().__init__(message)
+        self.suspects = suspects

@@ -4,8 +4,9 @@ A message is a frozen msgspec Struct tagged with its type; on the wire it is a m
 {"t": tag, "v": version, **fields}. Decoding checks the tag, the version, the field names and every
 field's type (a frame from the network is untrusted until it is decoded), and raises MessageError, so a
 malformed or ill-typed message is answered with an ErrorReply and never reaches a handler. Two groups:
-the cache role's control messages, and those between the conductor and its prefill and decode
-instances."""
+the cache role's control messages; those between the conductor and its prefill and decode instances;
+and those between the conductor and the API processes (DESIGN section 13: an API process owns its
+requests' streams, and instances send a request's reports to the API process named in its `reply_to`)."""
 
 from typing import Any, ClassVar, Union
 
@@ -14,8 +15,10 @@ import msgspec
 from mooncake.errors import MooncakeError
 from mooncake.sampling import TokenLogprob
 
-VERSION = 5  # 2: logprobs on PrefillDone and Tokens; kv_dtype and time coefficients on Register; 3: StepTokens;
-# 4: PrefillStage; 5: reuse_blocks on PrefillStage, pool_first_block on Decode
+VERSION = 6  # 2: logprobs on PrefillDone and Tokens; kv_dtype and time coefficients on Register; 3: StepTokens;
+# 4: PrefillStage; 5: reuse_blocks on PrefillStage, pool_first_block on Decode; 6: the front door (API
+# processes: Place, Placed, HandOff, LegEnded, LegLost; reply_to on Prefill, PrefillStage and Decode;
+# progress on Heartbeat; legs on Register)
 _TYPES: dict[str, type] = {}
 
 
@@ -128,10 +131,11 @@ class ErrorReply(Message, tag="error"):
 Sampling = dict[str, int | float | bool | None | list[int]]
 
 class Register(Message, tag="register"):
-    """Instance -> conductor, on start: who it is, what it runs, where peers send it KV."""
+    """Instance or API process -> conductor, on start (and when a new conductor does not know it): who it
+    is, what it runs, where peers send it KV; an API process names the legs it holds (`legs`)."""
 
     instance_id: str
-    role: str  # "prefill" or "decode"
+    role: str  # "prefill", "decode" or "api"
     model_id: str
     block_size: int
     kv_dtype: str  # what its engine runs and its KV blocks hold (engine.dtype, "auto" resolved)
@@ -141,6 +145,16 @@ class Register(Message, tag="register"):
     # What its steps take, when its runner knows (an emulated model): seeds for the conductor's estimators.
     prefill_coef: list[float] = []  # c0, c1, c2 of c0 + c1*(n - r) + c2*(n^2 - r^2)
     decode_coef: list[float] = []  # a, b, c of a + b*batch + c*context
+    legs: list["HeldLeg"] = []  # an API process: the legs of its requests in decode (a new conductor counts them)
+
+
+class HeldLeg(msgspec.Struct, frozen=True, array_like=True):
+    """A leg an API process holds in decode, as a conductor that restarted needs it for its load view."""
+
+    request_id: str  # its wire id
+    decode_id: str
+    num_tokens: int  # its context: the prompt and every token so far
+    num_tokens_left: int  # tokens it may still produce
 
 
 class RegisterReply(Message, tag="register_reply"):
@@ -170,6 +184,7 @@ class Heartbeat(Message, tag="heartbeat"):
     evicted_blocks: list[int] = []
     is_snapshot: bool = False  # cached_blocks is its whole prefix cache (after it registered, or a Resync)
     seq: int = 0  # heartbeats since it registered: a gap means reports were lost
+    progress: list[tuple[str, int]] = []  # decode: [request id, tokens it produced] of each running request
 
 
 class Resync(Message, tag="resync"):
@@ -188,6 +203,7 @@ class Prefill(Message, tag="prefill"):
     decode_address: str
     reuse_blocks: int = 0  # leading blocks the pool holds that this instance should read, not compute
     deadline_s: float = 60.0  # seconds from receipt to finish prefill and hand off
+    reply_to: str = ""  # the API process's report address: PrefillDone and RequestFailed go there
 
 
 class PrefillStage(Message, tag="prefill_stage"):
@@ -208,6 +224,7 @@ class PrefillStage(Message, tag="prefill_stage"):
     next_address: str = ""  # the next stage's transport; empty on the last stage
     deadline_s: float = 60.0
     reuse_blocks: int = 0  # leading blocks the pool holds that every stage reads (its layers), not computes
+    reply_to: str = ""  # the API process's report address
 
 
 class PrefillDone(Message, tag="prefill_done"):
@@ -238,6 +255,7 @@ class Decode(Message, tag="decode"):
     # Write the prompt's blocks from this one on to the pool once imported (a CPP group's: its stages hold
     # only their layers, so no prefill instance can); None: write none.
     pool_first_block: int | None = None
+    reply_to: str = ""  # the API process's report address: Tokens and RequestFailed go there
 
 
 class Tokens(Message, tag="tokens"):
@@ -250,25 +268,117 @@ class Tokens(Message, tag="tokens"):
 
 
 class StepTokens(Message, tag="step_tokens"):
-    """Decode -> conductor: the `Tokens` of every request one engine step produced for, in one message
-    (one send and one receive per step, not one per request: the conductor relays every token)."""
+    """Decode -> API process: the `Tokens` of every request of that API process one engine step produced
+    for, in one message (one send and one receive per step, not one per request)."""
 
     reports: list[Tokens]
 
 
 class Cancel(Message, tag="cancel"):
-    """Conductor -> instance: drop the request and free every block it holds."""
+    """Conductor (or the API process a report went to) -> instance: drop the request and free every block
+    it holds."""
 
     request_id: str
     block_hashes: list[int] = []  # decode: the request's blocks still unclaimed in its KV inbox
 
 
 class RequestFailed(Message, tag="request_failed"):
-    """Instance -> conductor: the request cannot go on here, and why."""
+    """Instance -> API process (the conductor without `reply_to`): the request cannot go on here, and why."""
 
     request_id: str
     error: str
     is_invalid: bool = False  # the request itself is unusable here (HTTP 400), not a failure of ours
+
+
+# -- API process <-> conductor (one DEALER per API process to the conductor's ROUTER) -------------------
+
+class Place(Message, tag="place"):
+    """API process -> conductor: place this leg and send it to prefill (Algorithm 1; `admit`: the paper's
+    early rejection applies, a new request's first leg). Answered with `Placed`."""
+
+    request_id: str  # the leg's wire id
+    token_ids: list[int]  # the prompt and every token already streamed
+    block_hashes: list[int]
+    sampling: Sampling  # max_tokens: what the leg may still produce
+    admit: bool = True
+    avoid: list[str] = []  # instances not to use while others of their role are alive
+    deadline_s: float = 60.0  # seconds the request has left
+    reply_to: str = ""  # where the leg's instances send its reports
+    moved_from: str = ""  # the wire id of the leg it replaces (the request migrates)
+
+
+class Placed(Message, tag="placed"):
+    """Conductor -> API process: where the leg went (its `Prefill` is sent), or why it went nowhere."""
+
+    request_id: str
+    prefill_ids: list[str] = []  # one, or a CPP group's stages in order
+    decode_id: str = ""
+    reuse_blocks: int = 0
+    predicted_ttft_s: float = 0.0
+    predicted_tbt_s: float = 0.0
+    refusal: str = ""  # "": placed; "rejected" (429), "unavailable" (503), "unreachable" (place it again)
+    reason: str = ""  # a rejection's reason code
+    error: str = ""
+    retry_after_s: float = 0.0
+    suspects: list[str] = []  # unreachable: the instances to avoid next time
+
+
+class HandOff(Message, tag="hand_off"):
+    """API process -> conductor: the leg's prefill is done (its `PrefillDone`); `go_on`: send `Decode` (the
+    request is not over with its first token). Self-contained, so a conductor that restarted meanwhile can
+    still hand the leg to decode."""
+
+    done: PrefillDone
+    decode_id: str
+    token_ids: list[int]  # the leg's prompt and its first token
+    block_hashes: list[int]  # of the leg's prompt
+    sampling: Sampling  # max_tokens: what decode may still produce
+    go_on: bool = True
+    pool_first_block: int | None = None
+    reply_to: str = ""
+
+
+class LegEnded(Message, tag="leg_ended"):
+    """API process -> conductor: the leg is over; free it wherever it is still held (`is_finished`: decode
+    finished it and freed it itself). With `outcome` the request is over too, and the rest is its record
+    for the conductor's metrics; without, a new leg follows (the request migrates)."""
+
+    request_id: str
+    is_finished: bool = False
+    failure: str = ""
+    outcome: str = ""  # "ok", "error" or "cancelled"
+    migration: str = ""  # why a failed leg's request could not move: "limit" or "no_instance"
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    num_legs: int = 1
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    predicted_ttft_s: float = 0.0
+    predicted_tbt_s: float = 0.0
+    mean_gap_s: float = 0.0  # between token messages
+    slow_gap_s: float = 0.0  # the mean of the slowest 10% of gaps (the paper's TBT)
+    gap_counts: list[int] = []  # gaps at most each of GAP_BUCKETS_S, then the rest (the TBT histogram)
+    gap_sum_s: float = 0.0
+
+
+GAP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)  # the latency histograms'
+
+
+class LegLost(Message, tag="leg_lost"):
+    """Conductor -> API process: an instance of the leg died or left; move the request (`suspects`: avoid)."""
+
+    request_id: str
+    error: str
+    suspects: list[str] = []
+
+
+class Cluster(Message, tag="cluster"):
+    """API process -> conductor: the cluster's health and the conductor's metrics, for /health and /metrics."""
+
+
+class ClusterReply(Message, tag="cluster_reply"):
+    health: dict[str, Any] = {}
+    metrics: str = ""  # the conductor's Prometheus exposition
 
 
 for _cls in Message.__subclasses__():

@@ -100,3 +100,12 @@ def _check_number(name: str, value, low: float) -> None:
         raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
     if value < low:
         raise InvalidRequestError(f"{name} must be >= {low:g}, got {value}", name)
+
+
+def wire_sampling(params: SamplingParams, max_tokens: int | None = None) -> dict:
+    """The sampling fields instances need, as messages carry them; stop strings stay with the API process
+    (it matches them on text)."""
+    wire = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "seed": params.seed, "ignore_eos": params.ignore_eos, "stop_token_ids": list(params.stop_token_ids),
+            "logprobs": params.logprobs, "prefix_root": params.prefix_root}
+    return wire if max_tokens is None else {**wire, "max_tokens": max_tokens}

@@ -35,11 +35,12 @@ log = logging.getLogger(__name__)
 
 CONTROL_MAX_BYTES = 64 << 20  # a control message: a prompt's token ids and block hashes, a batch of events
 DATA_MAX_BYTES = 1 << 30  # one frame of a transport: a header, or one KV block
-ROLES = ("conductor", "cache", "prefill", "decode")
+ROLES = ("conductor", "cache", "prefill", "decode", "api")
 DATA_ROLES = ("cache", "prefill", "decode")  # what moves KV: holds the data plane's MAC secret
 # Who may connect to a server socket of each role, by the role of the client's key. A role not named here
 # (a tool's own server) admits every role of the cluster.
-ADMITS = {"conductor": ("prefill", "decode"), "cache": ("conductor", "prefill", "decode")}
+ADMITS = {"conductor": ("prefill", "decode", "api"), "cache": ("conductor", "prefill", "decode"),
+          "api": ("prefill", "decode")}  # an API process's report socket: instances send it tokens
 DATA_SECRET = "data.secret"
 ZAP_DOMAIN = b"mooncake"
 
@@ -175,14 +176,15 @@ def _pair(role: str) -> ClusterKeys:
 
 
 def client(sock: zmq.Socket, max_bytes: int = CONTROL_MAX_BYTES, keys: ClusterKeys | None = None,
-           curve: bool = True, server: str = "conductor") -> zmq.Socket:
-    """Set up a socket that connects to a `server` role's socket: a CURVE client with this role's key, when
-    keys are configured (or with `keys`, for a tool that talks to a cluster it is not a role of)."""
+           curve: bool = True, server: str = "conductor", role: str | None = None) -> zmq.Socket:
+    """Set up a socket that connects to a `server` role's socket: a CURVE client with this role's key (or
+    `role`'s, for a process serving as several roles), when keys are configured (or with `keys`, for a tool
+    that talks to a cluster it is not a role of)."""
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     if _data_password is not None and not curve:
         sock.plain_username = DATA_USER
         sock.plain_password = _data_password
-    keys = keys or _keys
+    keys = keys or (_pair(role) if role and _keys is not None else _keys)
     if keys is not None and curve:
         sock.curve_secretkey = keys.secret
         sock.curve_publickey = keys.public

@@ -116,10 +116,10 @@ def cluster_view_ms(num_prefill: int, num_decode: int, per_instance: int = 16, r
         # NOTE: prompts of the trace's lengths (1k-16k tokens), half of them decoding: the view reads
         # each request's context, so its cost must not grow with it.
         prompt = [1] * rng.randint(1024, 16384)
-        flight = Flight(wire, prompt, SamplingParams(max_tokens=512), 0.0, 1e9, wire_id=wire,
-                        predicted_prefill_s=1.0, in_prefill=i % 2 == 0, decode_start_s=10.0)
+        flight = Flight(wire, prompt, SamplingParams(max_tokens=512), "api-0", predicted_prefill_s=1.0,
+                        in_prefill=i % 2 == 0, decode_start_s=10.0)
         if not flight.in_prefill:
-            flight.generated.extend([2] * rng.randint(1, 500))
+            flight.num_decoded = rng.randint(1, 500)
         flight.legs.append(Leg(wire, f"prefill-{i % num_prefill}", f"decode-{i % num_decode}", 0, 0.0))
         flights[wire] = flight
         registry.get(f"prefill-{i % num_prefill}").request_ids.add(wire)

@@ -1,12 +1,13 @@
-"""The OpenAI-compatible REST endpoint (aiohttp), served by the conductor role:
+"""The OpenAI-compatible REST endpoint (aiohttp), served by each API process (`mooncake serve --role api`):
 
   POST /v1/completions, POST /v1/chat/completions   (stream: OpenAI SSE ending in `data: [DONE]`)
   GET  /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus)
   POST /tokenize, POST /detokenize                   (vLLM's)
 
 Errors are OpenAI-style bodies: 400 bad input, 404 an unknown model, 401 bad key, 429 predicted SLO miss
-(with Retry-After), 503 no live instance, 500 a failure on the way. A client that disconnects cancels its
-request, and the conductor frees it on every instance."""
+(with Retry-After), 503 no live instance or no conductor (with Retry-After), 500 a failure on the way. A
+client that disconnects cancels its request, and every instance frees it. /health and /metrics are the
+conductor's view of the whole cluster."""
 
 import asyncio
 import contextlib
@@ -22,9 +23,9 @@ from mooncake.api.edge import TENANT, Edge, check_exposure, limit_connections, r
 from mooncake.api.responses import Shape, usage
 from mooncake.api.schemas import (ApiError, ModelLimits, bad, check_model, parse_chat, parse_completion,
                                   parse_detokenize, parse_tokenize)
-from mooncake.conductor.service import Conductor, Rejected, RequestError, Unavailable
+from mooncake.api.front_door import FrontDoor
 from mooncake.config import MooncakeConfig
-from mooncake.errors import MooncakeError
+from mooncake.errors import MooncakeError, Rejected, RequestError, Unavailable
 from mooncake.hashing import salt_root
 
 log = logging.getLogger(__name__)
@@ -33,10 +34,11 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 
 
 class ApiServer:
-    def __init__(self, config: MooncakeConfig, conductor: Conductor):
+    def __init__(self, config: MooncakeConfig, door: FrontDoor, reuse_port: bool = False):
         self.config = config
         self.cfg = config.api
-        self.conductor = conductor
+        self.door = door
+        self.reuse_port = reuse_port  # several API processes listen on the one port (the kernel spreads them)
         self.name = "REST API"
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -46,7 +48,7 @@ class ApiServer:
         return self.cfg.model_name or self.config.engine.model
 
     async def start(self) -> None:
-        c = self.conductor
+        c = self.door
         self.limits = ModelLimits((self.model_name, c.model.model_id), c.max_model_len,
                                   c.model.config.get("vocab_size", 0), self.cfg.default_max_tokens)
         check_exposure(self.config)
@@ -66,7 +68,7 @@ class ApiServer:
         await self.runner.setup()
         limit_connections(self.runner.server, self.cfg.max_connections)
         tls = tls_context(self.cfg)
-        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port, ssl_context=tls)
+        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port, ssl_context=tls, reuse_port=self.reuse_port or None)
         try:
             await site.start()
         except OSError as exc:
@@ -100,7 +102,7 @@ class ApiServer:
             return web.json_response(ApiError(exc.status, exc.reason).body(), status=exc.status)
         except Exception:  # noqa: BLE001  a bug must cost one request, not the server
             log.exception("%s %s failed", request.method, request.path)
-            return web.json_response(ApiError(500, "internal error; see the conductor's log",
+            return web.json_response(ApiError(500, "internal error; see the API process's log",
                                               type_="server_error").body(), status=500)
 
     async def _json(self, request):
@@ -123,21 +125,29 @@ class ApiServer:
         return web.json_response(self._model_card())
 
     async def tokenize(self, request):
-        ids = parse_tokenize(await self._json(request), self.conductor.tokenizer, self.limits)
+        ids = parse_tokenize(await self._json(request), self.door.tokenizer, self.limits)
         return web.json_response({"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids})
 
     async def detokenize(self, request):
         ids = parse_detokenize(await self._json(request), self.limits)
-        return web.json_response({"prompt": self.conductor.tokenizer.decode(ids)})
+        return web.json_response({"prompt": self.door.tokenizer.decode(ids)})
 
     async def health(self, request):
-        instances = self.conductor.health()
-        ok = bool(instances["decode"] and (instances["prefill"] or instances["mode"] == "colocated"))
+        try:
+            instances = (await self.door.cluster()).health
+        except Unavailable as exc:
+            return web.json_response({"status": "unavailable", "error": str(exc)}, status=503,
+                                     headers={"Retry-After": _seconds(exc.retry_after_s)})
+        ok = bool(instances.get("decode") and (instances.get("prefill") or instances.get("mode") == "colocated"))
         return web.json_response({"status": "ok" if ok else "unavailable", **instances}, status=200 if ok else 503)
 
     async def metrics(self, request):
-        return web.Response(body=self.conductor.metrics.exposition(),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        try:
+            text = (await self.door.cluster()).metrics
+        except Unavailable as exc:
+            raise ApiError(503, str(exc), type_="server_error", code="no_conductor",
+                           headers={"Retry-After": _seconds(exc.retry_after_s)}) from None
+        return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def completions(self, request):
         return await self._serve(request, parse_completion, chat=False)
@@ -147,7 +157,7 @@ class ApiServer:
 
     async def _serve(self, request, parse, chat: bool):
         body = await self._json(request)
-        parsed = parse(body, self.conductor.tokenizer, self.limits)
+        parsed = parse(body, self.door.tokenizer, self.limits)
         tenant = request[TENANT]
         if tenant.cache_salt or parsed.cache_salt:  # NOTE: a key's salt first: no request names its way out of it
             salted = dataclasses.replace(parsed.params, prefix_root=salt_root(tenant.cache_salt, parsed.cache_salt))
@@ -160,12 +170,12 @@ class ApiServer:
             finally:
                 # NOTE: a client that goes away before a stream starts must not leave its requests behind.
                 for flight in flights:
-                    self.conductor.abandon(flight)
+                    self.door.abandon(flight)
 
     async def _answer(self, request, body, parsed, flights: list, chat: bool):
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         shape = Shape(chat, response_id, int(time.time()), parsed.model, body.get("return_token_ids") is True,
-                      self.conductor.tokenizer)
+                      self.door.tokenizer)
         if parsed.stream:
             return await self._stream(request, flights, shape, parsed.include_usage)
         asked = parsed.params.logprobs is not None
@@ -191,23 +201,27 @@ class ApiServer:
                 params = parsed.params
                 if i and params.seed is not None:
                     params = dataclasses.replace(params, seed=params.seed + i)
-                flights.append(await self.conductor.submit(parsed.prompt_token_ids, params))
+                flights.append(await self.door.submit(parsed.prompt_token_ids, params))
         except BaseException as exc:  # NOTE: any refusal or failure lets go of the choices already placed
             for flight in flights:
-                self.conductor.abandon(flight)
-            if not isinstance(exc, (Rejected, Unavailable)):
-                raise
+                self.door.abandon(flight)
             if isinstance(exc, Rejected):
                 raise ApiError(429, str(exc), code=exc.reason, type_="rate_limit_error",
-                               headers={"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
-            raise ApiError(503, str(exc), type_="server_error", code="no_instance") from None
+                               headers={"Retry-After": _seconds(exc.retry_after_s)}) from None
+            if isinstance(exc, Unavailable):
+                raise ApiError(503, str(exc), type_="server_error", code="no_instance",
+                               headers={"Retry-After": _seconds(exc.retry_after_s)}) from None
+            if isinstance(exc, RequestError):
+                raise ApiError(400 if exc.is_invalid else 500, str(exc), type_="invalid_request_error"
+                               if exc.is_invalid else "server_error", code="request_failed") from None
+            raise
         return flights
 
     async def _relay(self, flights: list, on_event) -> None:
         """Run every choice's stream at once, awaiting `on_event(index, event)` as events come; the first
         failure ends the others (each then frees its request everywhere) and is raised."""
         async def one(i, flight):
-            async with contextlib.aclosing(self.conductor.stream(flight)) as events:
+            async with contextlib.aclosing(self.door.stream(flight)) as events:
                 async for event in events:
                     await on_event(i, event)
         tasks = [asyncio.ensure_future(one(i, f)) for i, f in enumerate(flights)]
@@ -242,6 +256,10 @@ class ApiServer:
         return response
 
 
+
+
+def _seconds(s: float) -> str:
+    return str(max(1, round(s)))
 
 
 async def _send(response, obj: dict) -> None:

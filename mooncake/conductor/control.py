@@ -1,10 +1,11 @@
-"""The conductor's control plane: one ROUTER socket that instances register, heartbeat, report and leave
-on, and the liveness watch that declares a silent instance dead.
+"""The conductor's control plane: one ROUTER socket that instances and API processes register, heartbeat
+and leave on, and the liveness watch that declares a silent one dead.
 
 A message that names an instance counts only from that instance's own connection (the identity it
-registered with); ZeroMQ refuses a second connection under an identity already connected. Request reports
-(PrefillDone, Tokens, RequestFailed; each of a StepTokens) go to `route`, deaths to `on_dead`; both are
-the conductor's."""
+registered with); ZeroMQ refuses a second connection under an identity already connected. An API process
+registers as an instance of role "api" and sends its requests' legs (Place, HandOff, LegEnded, Cluster):
+those go to `on_api`. A request report that reaches the conductor (an instance told no API process) goes
+to `route`, joins to `on_join`, deaths to `on_dead`; all are the conductor's."""
 
 import asyncio
 import logging
@@ -26,12 +27,16 @@ from mooncake.runtime import Supervisor
 log = logging.getLogger(__name__)
 
 LEFT = "left the cluster"
+API_MESSAGES = (m.Place, m.HandOff, m.LegEnded, m.Cluster)
 
 
 class ControlPlane:
     def __init__(self, cfg: ConductorConfig, registry: InstanceRegistry, index: PrefixIndex,
                  estimators: Estimators, metrics: ConductorMetrics, clock,
-                 route: Callable[[object, str], object], on_dead: Callable[[Instance, str], None]):
+                 route: Callable[[object, str], object], on_dead: Callable[[Instance, str], None],
+                 on_api: Callable[[object, str], object] = lambda msg, sender: None,
+                 on_join: Callable[[Instance, object], None] = lambda instance, msg: None,
+                 on_progress: Callable[[Instance, list], None] = lambda instance, progress: None):
         self.cfg = cfg
         self.registry = registry
         self.index = index
@@ -40,6 +45,9 @@ class ControlPlane:
         self.clock = clock
         self.route = route
         self.on_dead = on_dead
+        self.on_api = on_api
+        self.on_join = on_join
+        self.on_progress = on_progress
         self.model_id = ""
         self.block_size = 0
         self.kv_dtype = ""
@@ -136,6 +144,11 @@ class ControlPlane:
                 self.registry.leave(msg.instance_id)
                 self._dead(instance, LEFT)
             return None
+        if isinstance(msg, API_MESSAGES):
+            instance = self.registry.get(sender)
+            if instance is None or not instance.is_alive or instance.role != "api":
+                return m.RegisterReply(accepted=False, error="unregistered")  # NOTE: it registers, then asks again
+            return self.on_api(msg, sender)
         if isinstance(msg, (m.PrefillDone, m.Tokens, m.RequestFailed)):
             return self.route(msg, sender)
         if isinstance(msg, m.StepTokens):
@@ -145,7 +158,7 @@ class ControlPlane:
 
     def _register(self, msg: m.Register, identity: str, now: float):
         problem = None
-        if msg.role not in ("prefill", "decode"):
+        if msg.role not in ("prefill", "decode", "api"):
             problem = f"unknown role {msg.role!r}"
         elif identity != msg.instance_id:
             problem = f"socket identity {identity!r} differs from instance id {msg.instance_id!r}"
@@ -167,13 +180,17 @@ class ControlPlane:
             # NOTE: it restarted faster than the heartbeat timeout: what it held is gone with its process.
             self.registry.leave(msg.instance_id)
             self._dead(old, "restarted")
-        self.registry.register(msg, now)
+        instance = self.registry.register(msg, now)
+        self.metrics.up.labels(msg.instance_id, msg.role).set(1)
+        self.on_join(instance, msg)
+        if msg.role == "api":
+            log.info("API process %s joined (reports to %s)", msg.instance_id, msg.data_address)
+            return m.RegisterReply(accepted=True, heartbeat_interval_s=self.cfg.heartbeat_interval_s)
         est = self.estimators
         for model, coef in ((est.prefill_time, msg.prefill_coef), (est.decode_step, msg.decode_coef)):
             if len(coef) == 3 and model.seed(coef):
                 log.info("%s seeds the %s model: %s", msg.instance_id, type(model).__name__,
                          ", ".join(f"{c:.3g}" for c in coef))
-        self.metrics.up.labels(msg.instance_id, msg.role).set(1)
         self.metrics.kv_total.labels(msg.instance_id).set(msg.num_kv_blocks)
         log.info("%s instance %s joined (%d KV blocks%s)", msg.role, msg.instance_id, msg.num_kv_blocks,
                  f", {'KV' if msg.role == 'decode' else 'CPP stage'} inbox {msg.data_address} over {msg.transport}"
@@ -182,6 +199,10 @@ class ControlPlane:
 
     def _on_heartbeat(self, instance: Instance, msg: m.Heartbeat):
         """Its load and cache changes into the registry and the index; a Resync if reports were lost."""
+        if instance.role == "api":
+            return None
+        if msg.progress:
+            self.on_progress(instance, msg.progress)
         reply = None
         if msg.seq != instance.last_seq + 1 and instance.role == "prefill":
             log.warning("%s: heartbeat %d after %d; asking for its whole prefix cache", instance.instance_id,

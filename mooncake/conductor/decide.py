@@ -88,7 +88,7 @@ def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_s
         for r in instance.request_ids:
             if (f := flights.get(r)) is not None:
                 start_s = max(f.decode_start_s, now) if f.in_prefill else now  # late: all its tokens ahead
-                loads.append(DecodeLoad.ahead(start_s, f.params.max_tokens - len(f.generated),
+                loads.append(DecodeLoad.ahead(start_s, f.num_tokens_left,
                                               f.num_leg_tokens, step_s))
         decodes.append(DecodeView(instance.instance_id, loads))
     return ClusterView(prefills, decodes, block_size, block_bytes, fetchable=pool_nodes)

@@ -7,9 +7,11 @@ dashboards and alerts of a vLLM deployment read a mooncake cluster as they are (
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from mooncake.messages import GAP_BUCKETS_S
+
 disable_created_metrics()  # the *_created series only add noise to a scrape
 
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LATENCY_BUCKETS_S = GAP_BUCKETS_S
 STEP_RATIO_BUCKETS = (1.0, 1.01, 1.02, 1.05, 1.1, 1.25, 1.5, 2, 4, 8)
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.25, 1.5, 2, 4)
 
@@ -101,6 +103,27 @@ class ConductorMetrics:
         for op, served in stats.get("transfers", {}).items():
             self.cache_rate.labels(node, op).set(served.get("gbytes_per_s", 0.0))
         self.cache_lent.labels(node).set(stats.get("write_windows", {}).get("lent_bytes", 0))
+
+    def record_request(self, msg) -> None:
+        """A finished request's record (`LegEnded` with an outcome) from the API process that owned it."""
+        self.requests.labels(msg.outcome).inc()
+        self.prompt_tokens.inc(msg.num_prompt_tokens)
+        self.completion_tokens.inc(msg.num_completion_tokens)
+        if msg.num_completion_tokens:
+            self.ttft.observe(msg.ttft_s)
+            if msg.num_legs == 1 and msg.ttft_s > 0 and msg.predicted_ttft_s > 0:
+                self.ttft_prediction.observe(msg.predicted_ttft_s / msg.ttft_s)
+        # NOTE: the API process counted its gaps in the same buckets: they add up to the histogram of them all
+        tbt = self.tbt
+        for bucket, n in zip(tbt._buckets, msg.gap_counts[:len(tbt._buckets)]):
+            if n > 0:
+                bucket.inc(n)
+        if msg.gap_sum_s > 0:
+            tbt._sum.inc(msg.gap_sum_s)
+        if msg.outcome == "ok":
+            self.e2e.observe(msg.e2e_s)
+            if msg.num_legs == 1 and msg.predicted_tbt_s > 0 and msg.mean_gap_s > 0:
+                self.tbt_prediction.observe(msg.predicted_tbt_s / msg.mean_gap_s)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

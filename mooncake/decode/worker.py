@@ -3,8 +3,10 @@
 Its transport serves a KV inbox that prefill instances push blocks into. A `Decode` from the conductor
 claims the request's blocks, imports them into the paged cache (a block missing or failing verification
 is recomputed, never trusted; the bytes are checked and copied on the engine loop's KV thread while
-running requests keep stepping) and joins continuous batching; every step's tokens go back to the
-conductor in one `StepTokens` (a `Tokens` per request). `Cancel` aborts the request and frees its blocks.
+running requests keep stepping) and joins continuous batching; every step's tokens go straight to the API
+process that owns each request (its `reply_to`), in one `StepTokens` per API process (a `Tokens` per
+request). `Cancel` aborts the request and frees its blocks. Its heartbeat says how far each request got,
+so the conductor's load view stays exact without seeing a token.
 
 A CPP group's blocks reach decode by layer from its stages, each of which holds only its layers: decode is
 the first instance to hold them whole, so it writes them to the cache pool (`Decode.pool_first_block`) once
@@ -50,16 +52,20 @@ class DecodeWorker(Worker):
             await self.transport.stop()
 
     def heartbeat_report(self) -> dict:
-        return {"num_inbox_blocks": len(self.inbox)}
+        seqs = self.engine.seqs
+        progress = [(rid, len(seq.output_token_ids)) for rid in self.reports.reply_to if (seq := seqs.get(rid))]
+        return {"num_inbox_blocks": len(self.inbox), "progress": progress}
 
     async def on_message(self, msg) -> None:
         if isinstance(msg, m.Decode):
+            self.reports.track(msg.request_id, msg.reply_to)
             # NOTE: its own task: importing the KV takes a while, and a Cancel meanwhile must reach it.
             self._admissions[msg.request_id] = self.spawn_for(msg.request_id, self._admit(msg), "admission")
         elif isinstance(msg, m.Cancel):
             if msg.block_hashes:
                 self.inbox.release_blocks(msg.block_hashes, self.engine.runner.kv_spec.num_layers)
             await self.drop(msg.request_id)
+            self.reports.forget(msg.request_id)
         else:
             log.warning("%s: unexpected %s from the conductor", self.name, type(msg).__name__)
 
@@ -108,15 +114,17 @@ class DecodeWorker(Worker):
         await super().drop(request_id)
 
     async def on_outputs(self, outputs) -> None:
-        reports = [m.Tokens(request_id=out.request_id, token_ids=out.new_token_ids, finish_reason=out.finish_reason,
-                            logprobs=out.logprobs) for out in outputs]
+        by_api: dict[str, list[m.Tokens]] = {}
+        reply_to = self.reports.reply_to
         for out in outputs:
+            by_api.setdefault(reply_to.get(out.request_id, ""), []).append(m.Tokens(
+                request_id=out.request_id, token_ids=out.new_token_ids, finish_reason=out.finish_reason,
+                logprobs=out.logprobs))
             if out.finished:
                 self.engine.pop_completion(out.request_id)
-        if len(reports) > 1:
-            await self.link.send(m.StepTokens(reports=reports))
-        elif reports:
-            await self.link.send(reports[0])
+                self.reports.forget(out.request_id)
+        for address, reports in by_api.items():
+            await self.reports.send_to(address, m.StepTokens(reports=reports) if len(reports) > 1 else reports[0])
 
     async def _expire(self) -> None:
         while True:

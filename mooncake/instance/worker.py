@@ -1,5 +1,6 @@
 """The part of a prefill or decode instance that is not its role: the engine on its step loop, the
-link to the conductor, the heartbeat with its load, and start/stop in order."""
+link to the conductor, the report links to the API processes, the heartbeat with its load, and start/stop
+in order."""
 
 import asyncio
 import dataclasses
@@ -11,7 +12,8 @@ from mooncake import messages as m
 from mooncake.config import EngineConfig, MooncakeConfig
 from mooncake.engine import LLMEngine
 from mooncake.instance.engine_loop import EngineLoop
-from mooncake.instance.link import ConductorLink
+from mooncake.link import ConductorLink
+from mooncake.instance.reports import ReportLinks
 from mooncake.runtime import Supervisor
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,7 @@ class Worker:
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
         self.link: ConductorLink | None = None
+        self.reports: ReportLinks | None = None
         self.transport = None
         self.data_address = ""
         self.supervisor: Supervisor | None = None
@@ -53,6 +56,7 @@ class Worker:
                               prefill_coef=prefill_coef, decode_coef=decode_coef)
         self.link = ConductorLink(self.config.instance.conductor_address, register, self.heartbeat,
                                   self.on_message, self.supervisor, on_registered=self.on_registered)
+        self.reports = ReportLinks(self.instance_id, self.link.send, self.on_message, self.supervisor)
         self.loop.start(self.supervisor)
         await self.link.start()
         log.info("%s ready: model %s, %d KV blocks, conductor %s", self.name, self.config.engine.model,
@@ -76,6 +80,8 @@ class Worker:
             task.cancel()
         await asyncio.gather(*self._request_tasks, return_exceptions=True)
         await self.stop_role()
+        if self.reports is not None:
+            await self.reports.stop()
         if self.supervisor is not None:
             await self.supervisor.stop()
 
@@ -120,7 +126,8 @@ class Worker:
 
     async def report_failure(self, request_id: str, error: str, is_invalid: bool = False) -> None:
         log.warning("%s: request %s failed: %s", self.name, request_id, error)
-        await self.link.send(m.RequestFailed(request_id=request_id, error=error, is_invalid=is_invalid))
+        await self.reports.send(request_id, m.RequestFailed(request_id=request_id, error=error, is_invalid=is_invalid))
+        self.reports.forget(request_id)
 
     async def on_failed(self, request_ids: list[str], error: str, is_invalid: bool = False) -> None:
         for request_id in request_ids:
@@ -139,3 +146,9 @@ class Worker:
     async def drop(self, request_id: str) -> None:
         """Free everything the request holds here."""
         await self.loop.call(self.engine.abort, request_id)
+
+    async def report(self, request_id: str, msg, is_last: bool = False) -> None:
+        """A report of the request to the API process that owns it (the conductor, if none is named)."""
+        await self.reports.send(request_id, msg)
+        if is_last:
+            self.reports.forget(request_id)

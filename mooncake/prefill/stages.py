@@ -147,7 +147,7 @@ class PrefillStages:
                      worker.name, rid, msg.num_stages, n, len(sizes), time.perf_counter() - received)
             if self.jobs.pop(rid, None) is None:
                 return  # cancelled meanwhile
-            await worker.link.send(m.PrefillDone(
+            await worker.report(rid, m.PrefillDone(
                 request_id=rid, first_token=token, finish_reason=reason, first_logprob=logprob,
                 num_cached_tokens=job.reused_blocks * worker.engine.block_size,
                 num_computed_tokens=sum(sizes), fetched_bytes=fetched_bytes, fetch_seconds=fetch_s,
@@ -162,6 +162,7 @@ class PrefillStages:
                                             is_invalid=isinstance(exc, InvalidRequestError))
         finally:
             self.jobs.pop(rid, None)
+            worker.reports.forget(rid)
             for push in pushes:
                 push.cancel()
             await asyncio.gather(*pushes, return_exceptions=True)  # NOTE: none still reads the blocks end frees

@@ -118,11 +118,14 @@ class PrefillWorker(Worker):
 
     async def on_message(self, msg) -> None:
         if isinstance(msg, m.Prefill):
+            self.reports.track(msg.request_id, msg.reply_to)
             self.spawn_for(msg.request_id, self._admit(msg), "admission")
         elif isinstance(msg, m.PrefillStage):
+            self.reports.track(msg.request_id, msg.reply_to)
             self.stages.admit(msg)
         elif isinstance(msg, m.Cancel):
             await self.drop(msg.request_id)
+            self.reports.forget(msg.request_id)
         elif isinstance(msg, m.Resync):
             log.info("%s: the conductor missed some reports; sending the whole prefix cache", self.name)
             self._snapshot_wanted()
@@ -301,14 +304,14 @@ class PrefillWorker(Worker):
         if self.jobs.pop(msg.request_id, None) is None:
             return  # cancelled meanwhile
         done, num_forwarded = await self.loop.call(self._complete, msg.request_id)
-        await self.link.send(m.PrefillDone(
+        await self.report(msg.request_id, m.PrefillDone(
             request_id=msg.request_id, first_token=job.first_token, finish_reason=job.finish_reason,
             first_logprob=job.first_logprob,
             num_cached_tokens=done.num_cached_tokens, num_computed_tokens=num_forwarded,
             num_kv_blocks_sent=job.num_sent_blocks if msg.decode_address else 0,
             kv_bytes=sum(r.num_bytes for r in results if r), kv_seconds=sum(r.seconds for r in results if r), prefill_seconds=time.perf_counter() - job.received_s,
             compute_seconds=job.compute_seconds,
-            fetched_bytes=job.fetched_bytes, fetch_seconds=job.fetch_seconds))
+            fetched_bytes=job.fetched_bytes, fetch_seconds=job.fetch_seconds), is_last=True)
 
     def _complete(self, request_id: str):
         """(completion, prompt tokens this instance computed); frees the blocks it kept for the hand-off."""

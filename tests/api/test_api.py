@@ -1,4 +1,4 @@
-"""The REST endpoint in-process over a real conductor (no engines): request validation, auth, limits,
+"""The REST endpoint in-process over a real API process and conductor (no engines): request validation, auth, limits,
 health, and admission's 429. Instances are stand-ins that register over the real control socket."""
 
 import asyncio
@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from mooncake import messages as m
+from mooncake.api.front_door import FrontDoor
 from mooncake.api.server import ApiServer
 from mooncake.conductor.service import Conductor
 from mooncake.config import load_config
@@ -19,20 +20,23 @@ from mooncake.runtime import ServiceStack
 
 
 class Served:
-    """A conductor + API on a private event loop thread."""
+    """A conductor and an API process (over the real control socket) on a private event loop thread."""
 
     def __init__(self, **overrides):
         self.control = f"tcp://127.0.0.1:{free_port()}"
         cfg = load_config(None, {"engine.model": "tiny-llama", "api.port": 0, "api.model_name": "tiny",
                                  "conductor.control_address": self.control,
+                                 "instance.conductor_address": self.control,
                                  "cache_client.nodes": [f"tcp://127.0.0.1:{free_port()}"], **overrides})
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.conductor = Conductor(cfg)
-        self.api = ApiServer(cfg, self.conductor)
-        self.stack = ServiceStack("conductor", [self.conductor, self.api])
+        self.door = FrontDoor(cfg)
+        self.api = ApiServer(cfg, self.door)
+        self.stack = ServiceStack("conductor", [self.conductor, self.door, self.api])
         asyncio.run_coroutine_threadsafe(self.stack.start(), self.loop).result(60)
+        asyncio.run_coroutine_threadsafe(self.door.link.registered.wait(), self.loop).result(30)
         self.url = self.api.url
 
     def close(self):
@@ -215,7 +219,7 @@ def test_an_unknown_model_is_404_model_not_found_and_the_served_one_can_be_retri
 
 def test_tokenize_and_detokenize_answer_as_vllm_does(served):
     from mooncake.text import encode_chat
-    tokenizer = served.conductor.tokenizer
+    tokenizer = served.door.tokenizer
     ids = tokenizer("hello world")["input_ids"]
     status, reply, _ = served.request("/tokenize", {"model": "tiny", "prompt": "hello world"})
     assert status == 200 and reply == {"count": len(ids), "max_model_len": 4096, "tokens": ids}

@@ -10,8 +10,7 @@ from mooncake.sampling import SamplingParams
 
 
 def flight_on(registry, wire_id: str, placed_s: float, predicted_s: float) -> Flight:
-    flight = Flight(wire_id, [1, 2, 3], SamplingParams(), admitted_s=placed_s, deadline_s=1e9, wire_id=wire_id,
-                    predicted_prefill_s=predicted_s)
+    flight = Flight(wire_id, [1, 2, 3], SamplingParams(), owner="api-0", predicted_prefill_s=predicted_s)
     flight.legs.append(Leg(wire_id, "prefill-0", "decode-0", 0, placed_s))
     registry.get("prefill-0").request_ids.add(wire_id)
     return flight
@@ -41,10 +40,9 @@ def test_decode_load_is_current_context_at_the_instances_last_step_time():
     registry = InstanceRegistry(heartbeat_timeout_s=1e9)
     registry.register(m.Register(instance_id="decode-0", role="decode", model_id="x", block_size=16,
                                  kv_dtype="float32"), now=0.0)
-    decoding = Flight("a", list(range(100)), SamplingParams(max_tokens=50), admitted_s=0.0, deadline_s=1e9,
-                      wire_id="a", in_prefill=False, generated=list(range(10)))
-    waiting = Flight("b", list(range(300)), SamplingParams(max_tokens=20), admitted_s=0.0, deadline_s=1e9,
-                     wire_id="b", decode_start_s=12.0)
+    decoding = Flight("a", list(range(100)), SamplingParams(max_tokens=50), owner="api-0", in_prefill=False,
+                      num_decoded=10)
+    waiting = Flight("b", list(range(300)), SamplingParams(max_tokens=20), owner="api-0", decode_start_s=12.0)
     flights = {"a": decoding, "b": waiting}
     registry.get("decode-0").request_ids.update(flights)
 
@@ -58,5 +56,5 @@ def test_decode_load_is_current_context_at_the_instances_last_step_time():
     registry.heartbeat(m.Heartbeat(instance_id="decode-0", step_samples=[[1, 110, 0.1], [1, 111, 0.3]]), now=10.0)
     assert batch_at(15.9) == (2, 410) and batch_at(16.1) == (1, 110) and batch_at(18.1) == (0, 0)  # at 0.2 s
     assert batch_at(16.9, now=13.0) == (2, 410) and batch_at(17.1, now=13.0) == (1, 110)  # a late hand-off
-    decoding.generated += list(range(20))  # at 20 s, 20 tokens later: 20 left, a longer context; b still late
+    decoding.num_decoded += 20  # at 20 s, 20 tokens later (decode's heartbeat says): 20 left, a longer context; b still late
     assert batch_at(23.9, now=20.0) == (2, 430) and batch_at(24.1, now=20.0) == (0, 0)

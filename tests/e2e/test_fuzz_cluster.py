@@ -35,7 +35,8 @@ def listening(cluster) -> dict[str, str]:
     assert sock.poll(10_000), "the cache node did not answer"
     hello = m.decode(sock.recv())
     sock.close()
-    return {"conductor control": cluster.config.conductor.control_address,
+    reports = re.search(r"reports at (tcp://\S+)", (cluster.workdir / "api-0.log").read_text())[1]
+    return {"conductor control": cluster.config.conductor.control_address, "api control": reports,
             "cache control": cluster.config.cache_client.nodes[0],
             "cache data": hello.data_address, "decode inbox": inbox}
 

@@ -120,7 +120,7 @@ def test_a_decode_instance_lost_mid_stream_costs_the_stream_nothing(cluster, sig
     assert tokens == reference.token_ids, "the moved stream differs from the undisturbed one"
     assert stream.logprobs == pytest.approx(reference.logprobs, abs=2e-3) and len(stream.logprobs) == len(tokens)
     # The conductor's one line for the request says what happened to it.
-    lines = (cluster.workdir / "conductor.log").read_text().splitlines()
+    lines = (cluster.workdir / "api-0.log").read_text().splitlines()
     assert any("outcome=ok" in line and f"completion_tokens={len(tokens)} " in line and "legs=2 " in line
                for line in lines)
     cluster.wait_ready(120)
@@ -212,7 +212,7 @@ def test_a_client_that_goes_away_while_its_prefix_is_read_from_the_pool_leaves_n
                          b"Content-Length: %d\r\n\r\n" % len(data) + data)
             wait_for(lambda: holders(cluster, "prefill") == ["prefill-1"], 10, "the request on prefill-1")
             time.sleep(0.3)
-        log = (cluster.workdir / "conductor.log").read_text().splitlines()[-5:]
+        log = (cluster.workdir / "api-0.log").read_text().splitlines()[-5:]
         wait_for(lambda: metrics(cluster.url).get(cancelled, 0.0) == before + 1, 5, f"the request cancelled: {log}")
     finally:
         cluster.kill("cache-0", signal.SIGCONT)

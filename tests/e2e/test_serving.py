@@ -199,8 +199,8 @@ def test_logprobs_with_the_openai_client_are_the_models_across_the_hand_off(clus
 
 
 def test_only_the_roles_that_run_a_model_load_torch(cluster):
-    """The cache node and the conductor stay small processes: neither maps libtorch."""
+    """The cache node, the conductor and the API processes stay small: none maps libtorch."""
     def maps_torch(proc) -> bool:
         return "libtorch" in (Path("/proc") / str(proc.pid) / "maps").read_text()
     assert {p.role: maps_torch(p) for p in cluster.processes} == {
-        "cache": False, "conductor": False, "prefill": True, "decode": True}
+        "cache": False, "conductor": False, "api": False, "prefill": True, "decode": True}

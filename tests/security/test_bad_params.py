@@ -6,6 +6,7 @@ conductor for a request it cannot send (nothing of it stays counted as load)."""
 
 import asyncio
 import math
+import time
 
 import pytest
 import torch
@@ -78,14 +79,17 @@ def test_a_request_that_cannot_be_sent_leaves_nothing_behind(served):
     object.__setattr__(params, "seed", 2**64)  # past every check: the wire codec cannot take it
 
     async def submit():
-        return await served.conductor.submit([5, 6, 7], params)
+        return await served.door.submit([5, 6, 7], params)
     with pytest.raises(OverflowError):
         asyncio.run_coroutine_threadsafe(submit(), served.loop).result(30)
     conductor: Conductor = served.conductor
+    assert served.door.streams == {}
     assert conductor.flights == {}
     assert all(not i.request_ids for i in conductor.registry.instances.values())
-    in_flight = conductor.metrics.exposition().decode()
-    assert 'mooncake_requests_total{outcome="error"}' in in_flight
+    deadline = time.monotonic() + 10  # NOTE: the API process's record of it reaches the conductor soon after
+    while 'mooncake_requests_total{outcome="error"}' not in (in_flight := conductor.metrics.exposition().decode()):
+        assert time.monotonic() < deadline, "the failed request was never counted"
+        time.sleep(0.05)
     assert not any(line.startswith("mooncake_requests_in_flight{") and not line.endswith(" 0.0")
                    for line in in_flight.splitlines())
 

@@ -1,6 +1,6 @@
-"""An instance's link to the conductor: one DEALER socket (identity = instance id) to the conductor's
-ROUTER. Registers (retrying until the conductor answers, so instances may start first or rejoin after a
-conductor restart), heartbeats its load, sends reports, and hands every other message to `on_message`."""
+"""A link to the conductor, for an instance or an API process: one DEALER socket (identity = its id) to the
+conductor's ROUTER. Registers (retrying until the conductor answers, so it may start first or rejoin after
+a conductor restart), heartbeats, sends, and hands every other message to `on_message`."""
 
 import asyncio
 import logging
@@ -22,17 +22,20 @@ REGISTER_RETRY_S = 1.0
 class ConductorLink:
     def __init__(self, address: str, register: m.Register, heartbeat: Callable[[], m.Heartbeat],
                  on_message: Callable[[object], Awaitable[None]], supervisor: Supervisor,
-                 on_registered: Callable[[], None] = lambda: None):
+                 on_registered: Callable[[], None] = lambda: None, role: str | None = None,
+                 registration: Callable[[], m.Register] | None = None):
         self.address = address
         self.register_msg = register
+        self.registration = registration or (lambda: self.register_msg)  # what to register with, each time
         self.make_heartbeat = heartbeat
         self.on_message = on_message
         self.on_registered = on_registered  # the conductor (maybe a new one) knows nothing of us yet
         self.heartbeat_interval_s = 0.5
         self.registered = asyncio.Event()
+        self.num_registrations = 0  # with this conductor or a later one
         self.supervisor = supervisor  # a refusal or a dead loop ends the instance through it
         self.ctx = zmq.asyncio.Context()
-        self.sock = security.client(self.ctx.socket(zmq.DEALER))
+        self.sock = security.client(self.ctx.socket(zmq.DEALER), role=role)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, register.instance_id.encode())
         self._tasks: list[asyncio.Task] = []
@@ -62,7 +65,7 @@ class ConductorLink:
         name = self.register_msg.instance_id
         while True:
             if not self.registered.is_set():
-                await self.send(self.register_msg)
+                await self.send(self.registration())
                 try:
                     await asyncio.wait_for(self.registered.wait(), REGISTER_RETRY_S)
                     log.info("%s: registered with the conductor at %s", name, self.address)
@@ -91,8 +94,12 @@ class ConductorLink:
                     return
                 self.heartbeat_interval_s = msg.heartbeat_interval_s
                 if not self.registered.is_set():
+                    self.num_registrations += 1
+                    self.registered.set()
                     self.on_registered()
-                self.registered.set()
+                continue
+            if isinstance(msg, m.ErrorReply):
+                log.warning("%s: the conductor at %s says: %s", self.register_msg.instance_id, self.address, msg.error)
                 continue
             try:
                 await self.on_message(msg)

@@ -1,7 +1,7 @@
 """Where each request's time went, told once it ended: one key=value log line always, and OpenTelemetry
 spans when `conductor.otlp_endpoint` is set (or a tracer provider is given, as tests do).
 
-The spans, built from the times the conductor recorded (flight.py's Leg), nested:
+The spans, built from the times the API process recorded (flight.py's Leg), nested:
 
   request                      admission to the end; outcome, token counts, TTFT, TBT mean and max
     leg                        one placement (a migrated request has several); instances, failure
@@ -13,7 +13,7 @@ import logging
 import statistics
 import time
 
-from mooncake.conductor.flight import Flight
+from mooncake.api.flight import Flight
 from mooncake.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ class Timelines:
         self.clock = clock
         self._owns_provider = provider is None and bool(otlp_endpoint)
         self.provider = _otlp_provider(otlp_endpoint) if self._owns_provider else provider
-        self.tracer = self.provider.get_tracer("mooncake.conductor") if self.provider is not None else None
+        self.tracer = self.provider.get_tracer("mooncake.api") if self.provider is not None else None
 
     def record(self, flight: Flight, outcome: str, end_s: float) -> None:
         gaps = flight.gaps_s

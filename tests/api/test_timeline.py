@@ -8,8 +8,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from mooncake.conductor.flight import Flight, Leg
-from mooncake.conductor.timeline import Timelines
+from mooncake.api.flight import Flight, Leg
+from mooncake.api.timeline import Timelines
 from mooncake.errors import ConfigError
 from mooncake.sampling import SamplingParams
 
@@ -61,7 +61,7 @@ def test_a_moved_request_becomes_nested_spans_with_its_prefill_split_and_token_g
 
 
 def test_without_an_endpoint_a_request_is_one_log_line(caplog):
-    caplog.set_level(logging.INFO, logger="mooncake.conductor.timeline")
+    caplog.set_level(logging.INFO, logger="mooncake.api.timeline")
     Timelines().record(moved_request(), "ok", end_s=102.5)
     (line,) = [r.getMessage() for r in caplog.records]
     for part in ("request r1 outcome=ok", "completion_tokens=6", "legs=2", "queue_s=0.100", "fetch_s=0.050",
