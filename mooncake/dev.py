@@ -87,13 +87,15 @@ class Process:
 
 class DevCluster:
     def __init__(self, config: MooncakeConfig, num_prefill: int = 1, num_decode: int = 1, num_cache: int = 1,
-                 workdir: Path | None = None, log_to_files: bool = False, num_api: int = 1):
+                 workdir: Path | None = None, log_to_files: bool = False, num_api: int = 1, num_standby: int = 0):
         colocated = config.conductor.mode == "colocated"
         if num_decode < 1 or num_cache < 0 or (num_prefill < 1 and not colocated):
             raise MooncakeError("a cluster needs at least one prefill and one decode instance"
                                 if not colocated else "a colocated cluster needs at least one instance")
         if num_api < 1:
             raise MooncakeError("a cluster needs at least one API process (--api)")
+        if num_standby and not config.conductor.etcd_endpoints:
+            raise MooncakeError("a standby conductor needs etcd: set conductor.etcd_endpoints")
         if colocated and num_prefill:
             raise MooncakeError("a colocated cluster has no prefill instances: its instances prefill themselves")
         if config.api.port:
@@ -102,8 +104,9 @@ class DevCluster:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="mooncake-dev-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_to_files = log_to_files
-        ports = iter(free_port() for _ in range(1 + 2 * num_cache))
-        conductor_address = f"tcp://127.0.0.1:{next(ports)}"
+        ports = iter(free_port() for _ in range(1 + num_standby + 2 * num_cache))
+        conductors = [f"tcp://127.0.0.1:{next(ports)}" for _ in range(1 + num_standby)]
+        conductor_address = ",".join(conductors)  # NOTE: instances and API processes reach whichever leads
         caches = [(f"cache-{i}", f"tcp://127.0.0.1:{next(ports)}", f"tcp://127.0.0.1:{next(ports)}")
                   for i in range(num_cache)]
         api_port = config.api.port or free_port()
@@ -115,7 +118,7 @@ class DevCluster:
         base = dataclasses.replace(
             config,
             security=dataclasses.replace(config.security, keys_dir=keys_dir),
-            conductor=dataclasses.replace(config.conductor, control_address=conductor_address),
+            conductor=dataclasses.replace(config.conductor, control_address=conductors[0]),
             api=dataclasses.replace(config.api, port=api_port, reuse_port=num_api > 1 or config.api.reuse_port),
             cache_client=dataclasses.replace(config.cache_client, nodes=tuple(c[1] for c in caches),
                                              replica_num=min(config.cache_client.replica_num, max(1, num_cache))),
@@ -129,6 +132,9 @@ class DevCluster:
                 base.cache, node_id=node_id, control_address=control, events_address=events,
                 transport=base.instance.transport)))
         self._add("conductor", "conductor", base)
+        for i, address in enumerate(conductors[1:], 1):
+            self._add(f"conductor-{i}", "conductor", dataclasses.replace(
+                base, conductor=dataclasses.replace(base.conductor, control_address=address)))
         for i in range(num_api):
             self._add(f"api-{i}", "api", base)
         for role, n in (("prefill", num_prefill), ("decode", num_decode)):

@@ -3,15 +3,19 @@
 then check that every request ended, that nothing stayed held anywhere, and that no stream lost or
 repeated a token.
 
-The cluster (tiny model, every role its own process; by default 2 prefill, 3 decode and 2 cache nodes)
-serves greedy streams built from the trace's hash ids (shared ids, shared prefixes; see
-replay_trace.py). Every `--interval` seconds one random prefill, decode or cache process is hit: `kill`
-(SIGKILL, restarted a few seconds later), `stop` (SIGSTOP, SIGCONT a few seconds later: a hang) or
-`term` (SIGTERM, a clean leave, restarted later). At least one prefill and one decode instance are left
-alone each time. Submissions stop after `--duration` seconds; the faults are healed, the in-flight
-requests drain, and then:
+The cluster (tiny model, every role its own process; by default 2 prefill, 3 decode, 2 cache nodes and 2
+API processes on one port) serves greedy streams built from the trace's hash ids (shared ids, shared
+prefixes; see replay_trace.py). Every `--interval` seconds one random process of the `--roles` is hit
+(default prefill, decode, cache; `all` adds the conductor and the API processes): `kill` (SIGKILL,
+restarted a few seconds later), `stop` (SIGSTOP, SIGCONT a few seconds later: a hang) or `term` (SIGTERM,
+a clean leave, restarted later). At least one prefill instance, one decode instance and one API process
+are left alone each time. Submissions stop after `--duration` seconds; the faults are healed, the
+in-flight requests drain, and then:
 
 - accepted / completed: streams the API accepted / that ended with a finish reason;
+- truncated: accepted streams that ended cleanly with neither a finish reason nor an error event (a
+  silent truncation, which a client cannot tell from a finished answer); a connection that broke (its API
+  process died: the only loss that allows) counts under errors as stream_broke instead;
 - migrated: requests the conductor moved (mooncake_migrations_total{outcome="moved"});
 - errors: by kind (HTTP status of refusals, or the error event's kind);
 - hung: accepted streams without a terminal state past conductor.request_deadline_s (plus a grace);
@@ -25,6 +29,7 @@ Every load loop is bounded and the script stops by itself. Prints a summary and 
 
 import argparse
 import difflib
+import http.client
 import json
 import random
 import sys
@@ -50,6 +55,7 @@ from mooncake.dev import DevCluster  # noqa: E402
 from mooncake.sim.trace import TraceRequest, load_trace  # noqa: E402
 
 FAULTS = ("kill", "stop", "term")
+ROLES = ("prefill", "decode", "cache", "conductor", "api")
 GRACE_S = 15.0  # past a request's deadline before it counts as hung; also the drain's settle time
 
 
@@ -89,6 +95,7 @@ class Client:
         self.finish_reason = None
         self.error = None  # the error event's message, or why the stream broke
         self.is_terminal = False
+        self.is_broken = False  # the connection broke: the client saw it (not a silent truncation)
         self.started_s = time.monotonic()
         self.ended_s = None
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -117,8 +124,8 @@ class Client:
         except urllib.error.HTTPError as exc:
             self.status, self.is_terminal = exc.code, True
             self.error = exc.read().decode(errors="replace")[:300]
-        except OSError as exc:  # refused, reset, or no data within the read timeout
-            self.error = self.error or f"stream broke: {exc!r}"
+        except (OSError, http.client.HTTPException) as exc:  # refused, reset, cut short, or no data in time
+            self.error, self.is_broken = self.error or f"stream broke: {exc!r}", True
         finally:
             self.ended_s = time.monotonic()
 
@@ -142,9 +149,10 @@ def error_kind(c: Client) -> str:
 class Chaos:
     """Hits one random process every interval; heals (restarts, continues) what it hit after a while."""
 
-    def __init__(self, cluster: DevCluster, rng: random.Random, faults: tuple[str, ...]):
-        self.cluster, self.rng, self.faults = cluster, rng, faults
+    def __init__(self, cluster: DevCluster, rng: random.Random, faults: tuple[str, ...], roles: tuple[str, ...]):
+        self.cluster, self.rng, self.faults, self.roles = cluster, rng, faults, roles
         self.pending: list[tuple[float, str, str]] = []  # (when, process name, "restart" | "cont")
+        self.last_hit: dict[str, int] = {}  # role -> the fault number that last hit it
         self.log: list[dict] = []
 
     def _down(self) -> set[str]:
@@ -152,14 +160,18 @@ class Chaos:
 
     def hit(self, now: float) -> None:
         down = self._down()
-        candidates = []
-        for role in ("prefill", "decode", "cache"):
+        candidates = {}
+        for role in self.roles:
             names = [p.name for p in self.cluster.processes if p.role == role and p.name not in down]
-            keep = 0 if role == "cache" else 1  # leave one prefill and one decode alone
-            candidates += names if len(names) > keep else []
+            keep = 1 if role in ("prefill", "decode", "api") else 0  # leave one prefill, decode and API alone
+            if len(names) > keep:
+                candidates[role] = names
         if not candidates:
             return
-        name, fault = self.rng.choice(candidates), self.rng.choice(self.faults)
+        # NOTE: the roles take turns (the one hit longest ago first), so a short run hits every one of them
+        role = min(candidates, key=lambda r: (self.last_hit.get(r, -1), self.rng.random()))
+        self.last_hit[role] = len(self.log)
+        name, fault = self.rng.choice(candidates[role]), self.rng.choice(self.faults)
         heal_s = now + self.rng.uniform(1.0, 4.0)
         sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}[fault]
         self.cluster.kill(name, sig)
@@ -266,11 +278,17 @@ def main() -> None:
     parser.add_argument("--max-in-flight", type=int, default=8)
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between faults")
     parser.add_argument("--faults", default=",".join(FAULTS), help="of: " + ", ".join(FAULTS))
+    parser.add_argument("--roles", default="prefill,decode,cache", help=f"the roles hit, of: {', '.join(ROLES)}; "
+                        "or all")
+    parser.add_argument("--api", type=int, default=2, help="API processes (on one port)")
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--max-input", type=int, default=384)
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    roles = ROLES if args.roles == "all" else tuple(args.roles.split(","))
+    if unknown := set(roles) - set(ROLES):
+        parser.error(f"--roles: unknown {', '.join(sorted(unknown))}; choose of {', '.join(ROLES)} or all")
     rng = random.Random(args.seed)
     deadline_s = 120.0
     cfg = load_config(None, {
@@ -280,17 +298,18 @@ def main() -> None:
         "conductor.admission": "accept-all", "conductor.heartbeat_interval_s": 0.2,
         "conductor.heartbeat_timeout_s": 1.5, "conductor.token_timeout_s": 10.0,
         "conductor.prefill_timeout_s": 60.0, "conductor.request_deadline_s": deadline_s,
-        "conductor.migration_limit": 3, "cache_client.timeout_s": 2.0})
+        "conductor.migration_limit": 3, "cache_client.timeout_s": 2.0, "api.conductor_wait_s": 5.0})
     trace = load_trace(args.trace) if args.trace.exists() else synthetic_trace(rng)
     if not args.trace.exists():
         print(f"no trace at {args.trace}: replaying synthetic requests (shared prefixes, mixed lengths)")
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
-    print(f"chaos: {args.prefill}P {args.decode}D {args.cache} cache nodes, {args.model} over {args.transport}; "
-          f"{args.rate:g} req/s for {args.duration:g} s, a fault every {args.interval:g} s; logs in {workdir}",
-          flush=True)
+    print(f"chaos: {args.prefill}P {args.decode}D {args.cache} cache nodes {args.api} API processes, {args.model} "
+          f"over {args.transport}; {args.rate:g} req/s for {args.duration:g} s, a fault every {args.interval:g} s "
+          f"to {', '.join(roles)}; logs in {workdir}", flush=True)
     clients: list[Client] = []
-    with DevCluster(cfg, args.prefill, args.decode, args.cache, workdir, log_to_files=True) as cluster:
-        chaos = Chaos(cluster, rng, tuple(args.faults.split(",")))
+    with DevCluster(cfg, args.prefill, args.decode, args.cache, workdir, log_to_files=True,
+                    num_api=args.api) as cluster:
+        chaos = Chaos(cluster, rng, tuple(args.faults.split(",")), roles)
         start = time.monotonic()
         next_fault, i = start + args.interval, 0
         while (now := time.monotonic()) - start < args.duration:
@@ -318,6 +337,7 @@ def main() -> None:
         migrated = int(values.get('mooncake_migrations_total{outcome="moved"}', 0))
     accepted = [c for c in clients if c.status == 200]
     completed = [c for c in accepted if c.finish_reason and not c.error]
+    truncated = [c for c in accepted if c.ended_s is not None and not c.is_terminal and not c.is_broken]
     print(f"computing {len(accepted)} greedy references ...", flush=True)
     refs = reference(accepted, args.model, args.block_tokens)
     duplicated = lost = diverged = 0
@@ -327,6 +347,7 @@ def main() -> None:
     errors = Counter(error_kind(c) for c in clients if c not in completed)
     result = {
         "accepted": len(accepted), "completed": len(completed), "submitted": len(clients), "migrated": migrated,
+        "truncated": len(truncated),
         "errors": dict(errors), "hung": len(hung), "leaked_blocks": int(sum(leftover.values())),
         "leaked": leftover, "duplicated_tokens": duplicated, "lost_tokens": lost, "diverged_streams": diverged,
         "completed_share": len(completed) / max(1, len(accepted)), "faults": len(chaos.log),
@@ -335,7 +356,7 @@ def main() -> None:
         "args": {k: str(v) for k, v in vars(args).items()}}
     print(f"submitted {result['submitted']}, accepted {result['accepted']}, completed {result['completed']} "
           f"({result['completed_share']:.1%}), migrated {migrated}, faults {result['faults']}")
-    print(f"errors {dict(errors) or 0}; hung {result['hung']}; leaked_blocks {result['leaked_blocks']} {leftover or ''}")
+    print(f"errors {dict(errors) or 0}; hung {result['hung']}; truncated {result['truncated']}; leaked_blocks {result['leaked_blocks']} {leftover or ''}")
     print(f"duplicated_tokens {duplicated}, lost_tokens {lost}, diverged_streams {diverged}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

@@ -59,6 +59,7 @@ class FrontDoor:
         self.link: ConductorLink | None = None
         self.inbox: ReportInbox | None = None
         self._cluster_wait: asyncio.Future | None = None
+        self._cluster_sent = 0  # the registration the pending query was sent under
 
     @property
     def fatal(self):
@@ -124,12 +125,17 @@ class FrontDoor:
         Unavailable without a conductor."""
         if not self.link.registered.is_set():
             raise Unavailable("no conductor answers (it may be restarting)", retry_after_s=self.api.conductor_wait_s)
-        if self._cluster_wait is None or self._cluster_wait.done():
+        # NOTE: a query sent to a conductor that has gone since is asked again of the one that registered us
+        if self._cluster_wait is None or self._cluster_wait.done() or self._cluster_sent != self.link.num_registrations:
             self._cluster_wait = asyncio.get_running_loop().create_future()
+            self._cluster_sent = self.link.num_registrations
             await self.link.send(m.Cluster())
+        answer = self._cluster_wait
         try:
-            return await asyncio.wait_for(asyncio.shield(self._cluster_wait), self.api.conductor_wait_s)
+            return await asyncio.wait_for(asyncio.shield(answer), self.api.conductor_wait_s)
         except asyncio.TimeoutError:
+            if self._cluster_wait is answer:
+                self._cluster_wait = None
             raise Unavailable("the conductor did not answer", retry_after_s=self.api.conductor_wait_s) from None
 
     # -- the request path ---------------------------------------------------------------------------

@@ -244,6 +244,8 @@ class Conductor:
         flight.placement, flight.in_prefill = p, True
         self.flights[flight.request_id] = flight
         flight.legs.append(Leg(flight.request_id, p.prefill_id, p.decode_id, p.reuse_blocks, now))
+        if (owner := self.registry.get(flight.owner)) is not None:
+            owner.request_ids.add(flight.request_id)  # NOTE: if the owner dies, its legs are freed
 
     async def _hand_off(self, msg: m.HandOff, owner: str) -> None:
         """Prefill's `PrefillDone` of a leg, from the API process it reached: learn from it and send `Decode`."""
@@ -321,6 +323,8 @@ class Conductor:
         if flight is None or self.flights.get(flight.request_id) is not flight:
             return
         del self.flights[flight.request_id]
+        if (owner := self.registry.get(flight.owner)) is not None:
+            owner.request_ids.discard(flight.request_id)
         for instance_id in list(flight.holders):
             self._let_go(flight, instance_id, cancel=True)
 
@@ -365,7 +369,7 @@ class Conductor:
         """An instance or API process (re)joined: the legs it is named in count on it again. An API process
         that a new conductor does not know yet names the legs it holds in decode: the load view counts them."""
         for flight in self.flights.values():
-            if instance.instance_id in flight.holders:
+            if instance.instance_id in flight.holders or instance.instance_id == flight.owner:
                 instance.request_ids.add(flight.request_id)
         if instance.role != "api":
             return
@@ -378,7 +382,6 @@ class Conductor:
             self._new_leg(flight, Placement("", held.decode_id, 0, None, 0.0, 0.0), now)
             flight.in_prefill, flight.is_decode_sent = False, True
             self._hold(flight, held.decode_id)
-            instance.request_ids.add(flight.request_id)
         if msg.legs:
             log.info("API process %s holds %d legs in decode; counted", instance.instance_id, len(msg.legs))
 

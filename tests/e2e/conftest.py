@@ -20,12 +20,12 @@ E2E_SETTINGS = {
 }
 
 
-def make_cluster(tmp_path_factory, transport: str, num_prefill: int = 1, num_decode: int = 1,
-                 **settings) -> DevCluster:
+def make_cluster(tmp_path_factory, transport: str, num_prefill: int = 1, num_decode: int = 1, num_api: int = 1,
+                 num_standby: int = 0, **settings) -> DevCluster:
     config = load_config(None, {**E2E_SETTINGS, "instance.transport": transport, **settings})
     workdir = tmp_path_factory.mktemp(f"cluster-{transport}")
     return DevCluster(config, num_prefill=num_prefill, num_decode=num_decode, num_cache=1, workdir=workdir,
-                      log_to_files=True)
+                      log_to_files=True, num_api=num_api, num_standby=num_standby)
 
 
 @pytest.fixture(scope="module", params=["tcp", "shm"])

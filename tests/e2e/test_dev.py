@@ -33,9 +33,9 @@ def test_mooncake_dev_answers_paris_and_stops_cleanly_on_sigterm(real_dir, tmp_p
         if proc.poll() is None:
             proc.kill()
     port = int(url.rsplit(":", 1)[1].split("/")[0])
-    with pytest.raises(OSError):  # the conductor's API is gone with it
+    with pytest.raises(OSError):  # the API process is gone with it
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
-    assert {p.name for p in tmp_path.glob("*.toml")} == {"cache-0.toml", "conductor.toml", "prefill-0.toml",
+    assert {p.name for p in tmp_path.glob("*.toml")} == {"cache-0.toml", "conductor.toml", "api-0.toml", "prefill-0.toml",
                                                          "decode-0.toml"}
     # Without --config, sizes fit one box (less KV per instance and less pool DRAM than the defaults), in
     # the fastest dtype this CPU has.

@@ -1,8 +1,8 @@
 """The shipped multi-host configs (configs/multi-host/) on four hosts made of network namespaces: the
-conductor, two cache nodes, two prefill and two decode instances, each `mooncake serve --role` in its
-host, over tcp and over the mooncake transport (Transfer Engine, protocol tcp). Greedy output matches
-`mooncake generate`, a shared prefix is served from the pool, and the streams a cut link carried move to
-another decode host and finish, after which the cut host serves again without a restart."""
+conductor and an API process, two cache nodes, two prefill and two decode instances, each `mooncake serve
+--role` in its host, over tcp and over the mooncake transport (Transfer Engine, protocol tcp). Greedy output
+matches `mooncake generate`, a shared prefix is served from the pool, and the streams a cut link carried
+move to another decode host and finish, after which the cut host serves again without a restart."""
 
 import json
 import os
@@ -25,9 +25,9 @@ from tests.transfer.test_transport_contract import available
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "multi-host"
 BLOCK = E2E_SETTINGS["engine.block_size"]
-API_KEY = "multi-host-test-" + uuid.uuid4().hex  # what the README says to put in configs/multi-host/conductor.toml
+API_KEY = "multi-host-test-" + uuid.uuid4().hex  # what the README says to put in configs/multi-host/api.toml
 # host index (its address is 198.18.N.(10 + index), as in the shipped files), role, shipped file
-LAYOUT = [(0, "conductor", "conductor.toml"),
+LAYOUT = [(0, "conductor", "conductor.toml"), (0, "api", "api.toml"),
           (1, "cache", "cache-0.toml"), (1, "prefill", "prefill.toml"),
           (2, "cache", "cache-1.toml"), (2, "decode", "decode.toml"),
           (3, "prefill", "prefill.toml"), (3, "decode", "decode.toml")]
@@ -57,7 +57,7 @@ class MultiHost:
         shipped = self.workdir / f"shipped-{name}"
         shipped.write_text(text)
         settings = {k: v for k, v in E2E_SETTINGS.items() if k != "api.port"}
-        if role == "conductor":
+        if role == "api":
             settings["api.api_key"] = API_KEY
         config = load_config(shipped, {**settings, "instance.transport": self.transport,
                                        "cache.transport": self.transport,

@@ -1,0 +1,78 @@
+"""The front door (DESIGN section 13), end to end: the conductor is off the token path, so killing it
+mid-stream costs running streams nothing (greedy streams equal undisturbed ones) and a request sent while
+it is away gets 503 with Retry-After, never a dropped connection; killing one of two API processes drops
+only its own clients' streams, the other's complete, and every instance frees the dead one's requests."""
+
+import json
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.e2e.conftest import make_cluster, metrics, wait_for
+from tests.e2e.test_migration import Stream, assert_idle, story
+
+CONDUCTOR_WAIT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir, tmp_path_factory):
+    with make_cluster(tmp_path_factory, "tcp", num_prefill=1, num_decode=2, num_api=2,
+                      **{"api.conductor_wait_s": CONDUCTOR_WAIT_S}) as c:
+        yield c
+
+
+def ask(url: str, body: dict) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), dict(exc.headers)
+
+
+def all_streaming(streams, n: int = 20):
+    return lambda: all(len(s.token_ids) >= n or s.done.is_set() for s in streams)
+
+
+def test_a_conductor_killed_mid_stream_costs_the_running_streams_nothing(cluster):
+    bodies = [story(600) for _ in range(8)]
+    reference = [Stream(cluster.url, body) for body in bodies]
+    reference = [s.result() for s in reference]
+    streams = [Stream(cluster.url, body) for body in bodies]
+    wait_for(all_streaming(streams), 60, "every stream's first tokens")
+    cluster.kill("conductor", signal.SIGKILL)
+    try:
+        assert not all(s.done.is_set() for s in streams), "the streams ended before the conductor died"
+        started = time.monotonic()
+        status, reply, headers = ask(cluster.url, {**story(4)})
+        assert status == 503 and int(headers["Retry-After"]) >= 1, (status, reply)
+        assert time.monotonic() - started < CONDUCTOR_WAIT_S + 5
+        assert "conductor" in reply["error"]["message"]
+    finally:
+        cluster.spawn(cluster.process("conductor"))
+    for stream, tokens in zip(streams, reference):
+        assert stream.result() == tokens and stream.finish_reason == "length"
+    cluster.wait_ready(60)
+    status, reply, _ = ask(cluster.url, story(4))
+    assert status == 200 and reply["usage"]["completion_tokens"] == 4
+    assert_idle(cluster)
+
+
+def test_a_dead_api_process_drops_only_its_own_streams_and_the_instances_free_them(cluster):
+    # NOTE: the kernel spreads connections over both API processes: with 16, both get some but 2 in 2**16 times
+    streams = [Stream(cluster.url, story(600)) for _ in range(16)]
+    wait_for(all_streaming(streams, 5), 60, "every stream's first tokens")
+    cluster.kill("api-0", signal.SIGKILL)
+    for stream in streams:
+        assert stream.done.wait(90), "a stream neither finished nor dropped"
+    finished = [s for s in streams if s.finish_reason == "length"]
+    dropped = [s for s in streams if s.finish_reason is None]
+    assert finished and dropped and len(finished) + len(dropped) == len(streams)
+    assert all(len(s.token_ids) == 600 for s in finished) and all(s.error is None for s in finished)
+    assert_idle(cluster, timeout_s=15)  # the conductor saw api-0 go and had its legs freed everywhere
+    cluster.spawn(cluster.process("api-0"))
+    cluster.wait_ready(60)
