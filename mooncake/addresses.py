@@ -37,7 +37,7 @@ def route_source(address: str) -> str:
 
 def advertise_host(config) -> str:
     """The host a role of this MooncakeConfig puts in the addresses it gives its peers."""
-    return config.transport.host or route_source(config.instance.conductor_address)
+    return config.transport.host or route_source(config.instance.conductor_address.split(",")[0])
 
 
 def advertised(bound: str, host: str) -> str:

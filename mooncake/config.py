@@ -196,6 +196,13 @@ class ConductorConfig:
     cpp_stages: int = 1
     cpp_threshold_tokens: int = 2048
     cpp_chunk_tokens: int = 2048
+    # A standby conductor (DESIGN section 13): with etcd endpoints (http://host:2379), each conductor
+    # campaigns for etcd_key under a lease of leader_ttl_s and only the leader listens on control_address;
+    # list every conductor's address in instance.conductor_address. Empty: one conductor, no etcd.
+    # Needs `pip install '.[ha]'`.
+    etcd_endpoints: tuple[str, ...] = ()
+    etcd_key: str = "/mooncake/conductor/leader"
+    leader_ttl_s: float = 2.0
 
     def __post_init__(self):
         _check(self.cpp_stages >= 1, "conductor.cpp_stages", "must be >= 1 (1: no CPP groups)")
@@ -219,6 +226,10 @@ class ConductorConfig:
                "must be longer than conductor.heartbeat_interval_s")
         _check("://" in self.control_address, "conductor.control_address",
                "must be a ZeroMQ address like tcp://127.0.0.1:7700")
+        _check(all(e.startswith(("http://", "https://")) for e in self.etcd_endpoints), "conductor.etcd_endpoints",
+               "must be etcd client URLs like http://127.0.0.1:2379")
+        _check(self.leader_ttl_s >= 2, "conductor.leader_ttl_s", "must be >= 2 (etcd's shortest lease)")
+        _check(self.etcd_key.startswith("/"), "conductor.etcd_key", "must be a key path like /mooncake/leader")
 
 
 PLACEHOLDER_KEYS = ("change-me", "changeme", "secret", "sk-xxx")  # refused as API keys: a key a reader can guess
@@ -270,6 +281,7 @@ class ApiConfig:
     report_address: str = ""
     conductor_wait_s: float = 10.0  # a new request waits this long for an absent conductor, then gets 503
     reuse_port: bool = False  # SO_REUSEPORT: several API processes of this host listen on api.port together
+    tokenizer_threads: int = 2  # threads that parse, template and tokenize requests, off the event loop
 
     def __post_init__(self):
         _check(0 <= self.port < 65536, "api.port", "must be a TCP port (0 picks a free one)")
@@ -285,6 +297,7 @@ class ApiConfig:
         _check(self.body_timeout_s > 0, "api.body_timeout_s", "must be > 0")
         _check(self.max_connections > 0, "api.max_connections", "must be > 0")
         _check(self.conductor_wait_s > 0, "api.conductor_wait_s", "must be > 0")
+        _check(self.tokenizer_threads > 0, "api.tokenizer_threads", "must be > 0")
         _check(not self.report_address or "://" in self.report_address, "api.report_address",
                "must be a ZeroMQ address like tcp://198.18.0.10:0, or empty")
         _check(bool(self.tls_cert) == bool(self.tls_key), "api.tls_cert",
@@ -303,7 +316,7 @@ class InstanceConfig:
     """A prefill or decode instance: its name, its conductor, and how KV reaches it."""
 
     instance_id: str = ""  # empty: "<role>-<host name>-<pid>", unique across hosts
-    conductor_address: str = "tcp://127.0.0.1:7700"
+    conductor_address: str = "tcp://127.0.0.1:7700"  # several, comma-separated: a leader and its standbys
     transport: str = "tcp"  # KV between prefill and decode: tcp, shm (same host), mooncake, inproc
     data_address: str = ""  # decode's KV inbox, prefill's CPP stage inbox; empty: any free loopback port
     # prefill reads reused blocks from, and writes new ones to, the cache nodes; decode writes a CPP group's

@@ -41,7 +41,11 @@ class ConductorLink:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        self.sock.connect(self.address)
+        # NOTE: with a standby conductor, one address per conductor: only the leader listens, and IMMEDIATE
+        # queues messages only on a connection that is up, so they all go to whichever leads.
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        for address in self.address.split(","):
+            self.sock.connect(address.strip())
         self._tasks = [self.supervisor.spawn(self._receive(), "the conductor link's receive loop"),
                        self.supervisor.spawn(self._register_and_beat(), "the heartbeat")]
 
@@ -58,8 +62,15 @@ class ConductorLink:
         self.sock.close(linger=500)  # let the goodbye out
         self.ctx.term()
 
-    async def send(self, msg) -> None:
-        await self.sock.send(m.encode(msg))
+    async def send(self, msg) -> bool:
+        """False when no conductor is connected (it is away): the message is dropped, never queued for a
+        conductor that may not know what it refers to when it comes."""
+        try:
+            await self.sock.send(m.encode(msg), flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            log.debug("%s: no conductor connected; %s dropped", self.register_msg.instance_id, msg.TAG)
+            return False
 
     async def _register_and_beat(self) -> None:
         name = self.register_msg.instance_id

@@ -145,16 +145,19 @@ class Register(Message, tag="register"):
     # What its steps take, when its runner knows (an emulated model): seeds for the conductor's estimators.
     prefill_coef: list[float] = []  # c0, c1, c2 of c0 + c1*(n - r) + c2*(n^2 - r^2)
     decode_coef: list[float] = []  # a, b, c of a + b*batch + c*context
-    legs: list["HeldLeg"] = []  # an API process: the legs of its requests in decode (a new conductor counts them)
+    legs: list["HeldLeg"] = []  # an API process: the legs of its requests (a new conductor counts them)
 
 
 class HeldLeg(msgspec.Struct, frozen=True, array_like=True):
-    """A leg an API process holds in decode, as a conductor that restarted needs it for its load view."""
+    """A leg an API process holds, as a conductor that restarted needs it: for its load view, and to free it
+    wherever it is held when it ends or its API process dies."""
 
     request_id: str  # its wire id
     decode_id: str
     num_tokens: int  # its context: the prompt and every token so far
     num_tokens_left: int  # tokens it may still produce
+    prefill_ids: list[str] = []  # still in prefill: where
+    block_hashes: list[int] = []  # still in prefill: its blocks, which may wait in decode's inbox
 
 
 class RegisterReply(Message, tag="register_reply"):
@@ -359,6 +362,10 @@ class LegEnded(Message, tag="leg_ended"):
     slow_gap_s: float = 0.0  # the mean of the slowest 10% of gaps (the paper's TBT)
     gap_counts: list[int] = []  # gaps at most each of GAP_BUCKETS_S, then the rest (the TBT histogram)
     gap_sum_s: float = 0.0
+    # Who may still hold the leg, and its blocks that may wait unclaimed in decode's inbox: a conductor that
+    # does not know the leg (it restarted since it was placed) frees it there all the same.
+    holders: list[str] = []
+    block_hashes: list[int] = []
 
 
 GAP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)  # the latency histograms'

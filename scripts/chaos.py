@@ -298,7 +298,10 @@ def main() -> None:
         "conductor.admission": "accept-all", "conductor.heartbeat_interval_s": 0.2,
         "conductor.heartbeat_timeout_s": 1.5, "conductor.token_timeout_s": 10.0,
         "conductor.prefill_timeout_s": 60.0, "conductor.request_deadline_s": deadline_s,
-        "conductor.migration_limit": 3, "cache_client.timeout_s": 2.0, "api.conductor_wait_s": 5.0})
+        "conductor.migration_limit": 3, "cache_client.timeout_s": 2.0, "api.conductor_wait_s": 5.0,
+        # NOTE: a leg the conductor placed just before it was killed may have pushed KV into a decode inbox
+        # that no surviving process knows of; the inbox's own deadline frees it, within the drain's settle time.
+        "instance.kv_inbox_ttl_s": 10.0})
     trace = load_trace(args.trace) if args.trace.exists() else synthetic_trace(rng)
     if not args.trace.exists():
         print(f"no trace at {args.trace}: replaying synthetic requests (shared prefixes, mixed lengths)")

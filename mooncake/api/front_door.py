@@ -18,6 +18,8 @@ import logging
 import time
 import uuid
 
+import msgspec
+
 from mooncake import messages as m
 from mooncake.addresses import advertise_host
 from mooncake.api.flight import Flight, Leg, StreamEvent
@@ -90,9 +92,18 @@ class FrontDoor:
         log.info("%s ready: model %s, conductor %s, reports at %s", self.name, engine.model,
                  self.config.instance.conductor_address, report_address)
 
-    async def stop(self) -> None:
+    def end_streams(self) -> None:
+        """Every running stream ends now with an error event (a clean stop of this process)."""
         for flight in list(self.streams.values()):
-            flight.inbox.put_nowait(RequestError("the API process is shutting down"))
+            flight.inbox.put_nowait(RequestError(f"request {flight.request_id}: the API process is shutting down; "
+                                                 f"retry"))
+        for wire_id, answer in self.pending.items():  # NOTE: a request still being placed is refused (503)
+            if not answer.done():
+                answer.set_result(m.Placed(request_id=wire_id, refusal="unavailable",
+                                           error="the API process is shutting down; retry"))
+
+    async def stop(self) -> None:
+        self.end_streams()
         if self.link is not None:
             await self.link.stop()
         if self.inbox is not None:
@@ -105,10 +116,11 @@ class FrontDoor:
         return m.Heartbeat(instance_id=self.api_id)
 
     def _registration(self) -> m.Register:
-        """Who we are, and (for a conductor that restarted) the legs we hold in decode."""
-        legs = [m.HeldLeg(f.wire_id, f.placement.decode_id, f.num_leg_tokens,
-                          f.params.max_tokens - len(f.generated))
-                for f in self.streams.values() if f.placement is not None and not f.in_prefill]
+        """Who we are, and (for a conductor that restarted) the legs we hold and where."""
+        legs = [m.HeldLeg(f.wire_id, f.placement.decode_id, f.num_leg_tokens, f.params.max_tokens - len(f.generated),
+                          list(f.placement.prefill_ids) if f.in_prefill else [],
+                          f.block_hashes if f.in_prefill else [])
+                for f in self.streams.values() if f.placement is not None]
         return m.Register(**{**{k: getattr(self.register_msg, k) for k in self.register_msg.__struct_fields__},
                              "legs": legs})
 
@@ -129,7 +141,10 @@ class FrontDoor:
         if self._cluster_wait is None or self._cluster_wait.done() or self._cluster_sent != self.link.num_registrations:
             self._cluster_wait = asyncio.get_running_loop().create_future()
             self._cluster_sent = self.link.num_registrations
-            await self.link.send(m.Cluster())
+            if not await self.link.send(m.Cluster()):
+                self._cluster_wait = None
+                raise Unavailable("no conductor is connected (it may be restarting)",
+                                  retry_after_s=self.api.conductor_wait_s)
         answer = self._cluster_wait
         try:
             return await asyncio.wait_for(asyncio.shield(answer), self.api.conductor_wait_s)
@@ -204,12 +219,14 @@ class FrontDoor:
         try:
             while not answer.done():
                 left_s = give_up_s - self.clock()
-                if left_s <= 0 or not await _wait(self.link.registered, left_s):
+                if left_s <= 0:
                     break
+                if not self.link.registered.is_set():
+                    await _first(answer, self.link.registered.wait(), left_s)
+                    continue
                 # NOTE: sent again to a conductor that registered us since: the one before may have lost it
-                if self.link.num_registrations != sent_to:
+                if self.link.num_registrations != sent_to and await self.link.send(place):
                     sent_to = self.link.num_registrations
-                    await self.link.send(place)
                 await asyncio.wait([answer], timeout=min(RESEND_S, max(0.0, give_up_s - self.clock())))
         finally:
             self.pending.pop(wire_id, None)
@@ -355,6 +372,11 @@ class FrontDoor:
         while not flight.inbox.empty():  # reports of the old leg
             flight.inbox.get_nowait()
         msg = record or m.LegEnded(request_id=flight.wire_id, is_finished=flight.is_finished, failure=failure)
+        p = flight.placement
+        if p is not None and not flight.is_finished:  # NOTE: so that a conductor that does not know it frees it
+            unclaimed = flight.in_prefill or (flight.handed_off is not None)  # no token from decode yet
+            holders = [*(p.prefill_ids if flight.in_prefill else ()), *((p.decode_id,) if p.decode_id else ())]
+            msg = msgspec.structs.replace(msg, holders=holders, block_hashes=flight.block_hashes if unclaimed else [])
         self._send_soon(msg)
 
     def _end(self, flight: Flight, outcome: str, counted: bool = True) -> None:
@@ -429,12 +451,13 @@ class FrontDoor:
             log.warning("%s: unexpected %s from the conductor", self.name, msg.TAG)
 
 
-async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
+async def _first(future: asyncio.Future, coro, timeout_s: float) -> None:
+    """Until `future` is done, `coro` ends, or `timeout_s` passes."""
+    other = asyncio.ensure_future(coro)
     try:
-        await asyncio.wait_for(event.wait(), timeout_s)
-        return True
-    except asyncio.TimeoutError:
-        return False
+        await asyncio.wait([future, other], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        other.cancel()
 
 
 def _bucketed(gaps: list[float]) -> list[int]:

@@ -10,6 +10,7 @@ client that disconnects cancels its request, and every instance frees it. /healt
 conductor's view of the whole cluster."""
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -30,6 +31,7 @@ from mooncake.hashing import salt_root
 
 log = logging.getLogger(__name__)
 
+STOP_S = 3.0  # a clean stop waits this long for handlers to send their last event, then cancels them
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
@@ -39,6 +41,9 @@ class ApiServer:
         self.cfg = config.api
         self.door = door
         self.reuse_port = reuse_port  # several API processes listen on the one port (the kernel spreads them)
+        # NOTE: parsing, templating and tokenizing a prompt takes up to a second for a big one: off the event
+        # loop, so running streams keep their pace; bounded by api.max_connections (one request each).
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.cfg.tokenizer_threads, thread_name_prefix="tokenize")
         self.name = "REST API"
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -64,7 +69,7 @@ class ApiServer:
         # keepalive_timeout: aiohttp closes a connection whose next request is not read by then, so it bounds
         # both an idle connection and one whose headers trickle in (slowloris).
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                    keepalive_timeout=self.cfg.header_timeout_s)
+                                    keepalive_timeout=self.cfg.header_timeout_s, shutdown_timeout=STOP_S)
         await self.runner.setup()
         limit_connections(self.runner.server, self.cfg.max_connections)
         tls = tls_context(self.cfg)
@@ -81,8 +86,11 @@ class ApiServer:
 
     async def stop(self) -> None:
         if self.runner is not None:
+            # NOTE: its streams end with an error event first, so their handlers return and the clients know
+            self.door.end_streams()
             await self.runner.cleanup()
             self.runner = None
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     # -- middleware ---------------------------------------------------------------------------------
 
@@ -106,10 +114,14 @@ class ApiServer:
                                               type_="server_error").body(), status=500)
 
     async def _json(self, request):
+        body = await read_body(request, self.cfg.body_timeout_s)  # NOTE: its size is checked as it is read
         try:
-            return json.loads(await read_body(request, self.cfg.body_timeout_s))
+            return await self._off_loop(json.loads, body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise bad(f"the request body is not valid JSON: {exc}") from None
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # -- routes ---------------------------------------------------------------------------------------
 
@@ -125,12 +137,12 @@ class ApiServer:
         return web.json_response(self._model_card())
 
     async def tokenize(self, request):
-        ids = parse_tokenize(await self._json(request), self.door.tokenizer, self.limits)
+        ids = await self._off_loop(parse_tokenize, await self._json(request), self.door.tokenizer, self.limits)
         return web.json_response({"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids})
 
     async def detokenize(self, request):
         ids = parse_detokenize(await self._json(request), self.limits)
-        return web.json_response({"prompt": self.door.tokenizer.decode(ids)})
+        return web.json_response({"prompt": await self._off_loop(self.door.tokenizer.decode, ids)})
 
     async def health(self, request):
         try:
@@ -157,7 +169,7 @@ class ApiServer:
 
     async def _serve(self, request, parse, chat: bool):
         body = await self._json(request)
-        parsed = parse(body, self.door.tokenizer, self.limits)
+        parsed = await self._off_loop(parse, body, self.door.tokenizer, self.limits)
         tenant = request[TENANT]
         if tenant.cache_salt or parsed.cache_salt:  # NOTE: a key's salt first: no request names its way out of it
             salted = dataclasses.replace(parsed.params, prefix_root=salt_root(tenant.cache_salt, parsed.cache_salt))

@@ -176,8 +176,9 @@ class ControlPlane:
                       problem, self.model_id, self.block_size, self.kv_dtype)
             return m.RegisterReply(accepted=False, error=problem)
         old = self.registry.get(msg.instance_id)
-        if old is not None and old.is_alive:
-            # NOTE: it restarted faster than the heartbeat timeout: what it held is gone with its process.
+        if old is not None and old.is_alive and msg.role != "api":
+            # NOTE: it restarted faster than the heartbeat timeout: what it held is gone with its process. (An
+            # API process's id is new in every process: the same id registering again is the same process.)
             self.registry.leave(msg.instance_id)
             self._dead(old, "restarted")
         instance = self.registry.register(msg, now)

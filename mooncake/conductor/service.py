@@ -22,6 +22,7 @@ from mooncake.conductor.decide import Decider, cluster_view
 from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
 from mooncake.conductor.flight import Flight, Leg
 from mooncake.conductor.instances import Instance, InstanceRegistry
+from mooncake.conductor.leadership import Leadership
 from mooncake.conductor.metrics import ConductorMetrics
 from mooncake.conductor.policies import Estimators
 from mooncake.conductor.pool_watch import PoolWatcher
@@ -59,6 +60,7 @@ class Conductor:
         self.model = None
         self.pool: PoolWatcher | None = None
         self.supervisor: Supervisor | None = None
+        self.leadership: Leadership | None = None
         self._sends: set[asyncio.Task] = set()
 
     @property
@@ -78,6 +80,20 @@ class Conductor:
         hidden = self.model.config.get("hidden_size")  # an emulated model may not say: the default then
         self.decider.policy.cpp = CppSettings.from_config(self.cfg, hidden * dtype_bytes if hidden else None)
         self.supervisor = Supervisor(self.name)
+        if self.cfg.etcd_endpoints:
+            self.leadership = Leadership(self.cfg.etcd_endpoints, self.cfg.etcd_key, self.cfg.leader_ttl_s,
+                                         self.cfg.control_address)
+            self.supervisor.spawn(self._lead(), "the leadership (etcd)")
+        else:
+            await self._serve()
+
+    async def _lead(self) -> None:
+        """A standby until etcd says this conductor leads; then serve until it cannot renew its lease."""
+        await self.leadership.acquire()
+        await self._serve()
+        await self.leadership.keep()  # NOTE: raises when the lease was not renewed in time: the process ends
+
+    async def _serve(self) -> None:
         await self.control.start(self.supervisor, self.model.model_id, self.block_size, self.config.engine.kv_dtype)
         self.pool = PoolWatcher(self.config.cache_client.nodes, self.index, self.config.cache_client.timeout_s,
                                 on_stats=self.metrics.record_cache_stats)
@@ -95,6 +111,8 @@ class Conductor:
         if self.pool is not None:
             await self.pool.stop()
         await self.control.stop()
+        if self.leadership is not None:
+            await self.leadership.close()  # NOTE: after the socket closed: a standby may listen at once
 
     def _kv_bytes_per_token(self) -> int:
         c = self.model.config
@@ -306,7 +324,10 @@ class Conductor:
 
     def _leg_ended(self, msg: m.LegEnded, owner: str) -> None:
         flight = self.flights.get(msg.request_id)
-        if flight is not None and flight.owner == owner:
+        if flight is None:  # NOTE: placed by a conductor before this one: free it where its owner says it may be
+            for instance_id in msg.holders:
+                self._send_soon(instance_id, m.Cancel(request_id=msg.request_id, block_hashes=list(msg.block_hashes)))
+        elif flight.owner == owner:
             if msg.is_finished:
                 self._let_go(flight, flight.placement.decode_id, cancel=False)  # it freed the request
             self._end_leg(flight)
@@ -378,12 +399,18 @@ class Conductor:
             if held.request_id in self.flights:
                 continue
             params = SamplingParams(max_tokens=max(1, held.num_tokens_left))
-            flight = Flight(held.request_id, [0] * held.num_tokens, params, instance.instance_id)
-            self._new_leg(flight, Placement("", held.decode_id, 0, None, 0.0, 0.0), now)
-            flight.in_prefill, flight.is_decode_sent = False, True
-            self._hold(flight, held.decode_id)
+            flight = Flight(held.request_id, [0] * held.num_tokens, params, instance.instance_id,
+                            block_hashes=list(held.block_hashes))
+            prefill_id = held.prefill_ids[-1] if held.prefill_ids else ""
+            stage_ids = tuple(held.prefill_ids) if len(held.prefill_ids) > 1 else ()
+            self._new_leg(flight, Placement(prefill_id, held.decode_id, 0, None, 0.0, 0.0, stage_ids=stage_ids), now)
+            flight.in_prefill = bool(held.prefill_ids)
+            flight.decode_start_s = now
+            flight.is_decode_sent = not held.prefill_ids
+            for instance_id in (*held.prefill_ids, held.decode_id):
+                self._hold(flight, instance_id)
         if msg.legs:
-            log.info("API process %s holds %d legs in decode; counted", instance.instance_id, len(msg.legs))
+            log.info("API process %s holds %d legs; counted", instance.instance_id, len(msg.legs))
 
     def _on_progress(self, instance: Instance, progress: list[tuple[str, int]]) -> None:
         """A decode instance's heartbeat: how many tokens each of its legs has produced."""

@@ -286,3 +286,13 @@ def test_the_conductor_and_the_api_import_nothing_of_the_engine():
             "print(sorted(m for m in sys.modules if m.startswith('mooncake.engine')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_the_api_role_imports_nothing_of_the_conductor():
+    """They speak only messages: an API process runs beside a conductor of the same wire version, not code."""
+    import subprocess
+    import sys
+    code = ("import sys, mooncake.api.server, mooncake.api.front_door; "
+            "print(sorted(m for m in sys.modules if m.startswith('mooncake.conductor')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
