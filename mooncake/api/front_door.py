@@ -14,6 +14,7 @@ waits for it up to `api.conductor_wait_s`, then gets 503 with Retry-After; a han
 sent again to the conductor that comes back."""
 
 import asyncio
+import bisect
 import logging
 import time
 import uuid
@@ -23,6 +24,7 @@ import msgspec
 from mooncake import messages as m
 from mooncake.addresses import advertise_host
 from mooncake.api.flight import Flight, Leg, StreamEvent
+from mooncake.api.metrics import ApiMetrics
 from mooncake.api.reports import ReportInbox
 from mooncake.api.timeline import Timelines
 from mooncake.config import MooncakeConfig
@@ -52,6 +54,7 @@ class FrontDoor:
         self.role = role  # the key this process connects with (a test runs the conductor beside it)
         self.api_id = f"api-{uuid.uuid4().hex[:12]}"
         self.name = f"API process {self.api_id}"
+        self.metrics = ApiMetrics(self.api_id, lambda: len({id(f) for f in self.streams.values()}))
         self.streams: dict[str, Flight] = {}  # by the wire id of their current leg
         self.pending: dict[str, asyncio.Future] = {}  # Place awaiting Placed, by wire id
         self.timelines = Timelines(self.cfg.otlp_endpoint, clock=clock)
@@ -294,12 +297,18 @@ class FrontDoor:
     async def _next(self, flight: Flight):
         """The next report of the current leg: PrefillDone or Tokens. Raises LegFailed when the leg cannot
         go on and RequestError when the request cannot."""
+        if not flight.inbox.empty():  # NOTE: the common case under load: no timer to arm (a token's cost)
+            msg = flight.inbox.get_nowait()
+            if isinstance(msg, (RequestError, LegFailed)):
+                raise msg
+            return msg
         decode_id = flight.placement.decode_id
         timeout_s = self.cfg.prefill_timeout_s if flight.in_prefill else self.cfg.token_timeout_s
         time_left_s = flight.deadline_s - self.clock()
         try:
-            msg = await asyncio.wait_for(flight.inbox.get(), max(0.0, min(timeout_s, time_left_s)))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(max(0.0, min(timeout_s, time_left_s))):
+                msg = await flight.inbox.get()
+        except TimeoutError:
             if timeout_s >= time_left_s:
                 raise RequestError(f"request {flight.request_id} did not finish within conductor.request_deadline_s"
                                    f" = {self.cfg.request_deadline_s:g} s") from None
@@ -327,6 +336,7 @@ class FrontDoor:
     def _event(self, flight: Flight, detok: IncrementalDetokenizer, token_ids: list[int],
                finish_reason: str | None, logprobs=None) -> StreamEvent:
         flight.generated += token_ids
+        self.metrics.tokens.inc(len(token_ids))
         text = detok.add(token_ids, final=finish_reason is not None)
         if detok.stopped:
             finish_reason = "stop"
@@ -385,6 +395,7 @@ class FrontDoor:
         if flight.ended:
             return
         flight.ended = True
+        self.metrics.requests.labels(self.api_id, outcome).inc()
         now = self.clock()
         record = None
         if counted:
@@ -464,5 +475,5 @@ def _bucketed(gaps: list[float]) -> list[int]:
     """The gaps counted per latency bucket (each in the first whose bound it does not pass), +Inf last."""
     counts = [0] * (len(GAP_BUCKETS_S) + 1)
     for gap in gaps:
-        counts[next((i for i, bound in enumerate(GAP_BUCKETS_S) if gap <= bound), len(GAP_BUCKETS_S))] += 1
+        counts[bisect.bisect_left(GAP_BUCKETS_S, gap)] += 1
     return counts

@@ -159,7 +159,8 @@ class ApiServer:
         except Unavailable as exc:
             raise ApiError(503, str(exc), type_="server_error", code="no_conductor",
                            headers={"Retry-After": _seconds(exc.retry_after_s)}) from None
-        return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        body = text.encode() + self.door.metrics.exposition()  # NOTE: the cluster's, then this process's own
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def completions(self, request):
         return await self._serve(request, parse_completion, chat=False)

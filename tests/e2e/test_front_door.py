@@ -60,6 +60,9 @@ def test_a_conductor_killed_mid_stream_costs_the_running_streams_nothing(cluster
     status, reply, _ = ask(cluster.url, story(4))
     assert status == 200 and reply["usage"]["completion_tokens"] == 4
     assert_idle(cluster)
+    # /metrics: the cluster's series from the conductor, then the answering API process's own
+    own = {k: v for k, v in metrics(cluster.url).items() if k.startswith("mooncake_api_streamed_tokens_total{")}
+    assert len(own) == 1 and list(own.values())[0] > 0
 
 
 def test_a_dead_api_process_drops_only_its_own_streams_and_the_instances_free_them(cluster):
