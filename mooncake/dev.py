@@ -1,7 +1,8 @@
 """`mooncake dev`: a whole cluster on this box, one process per role (cache nodes, conductor, API processes,
-prefill and decode instances), on free loopback ports; N API processes share the one HTTP port. Writes one config per process, starts them in dependency
-order, waits until the conductor reports every instance, and stops them all (SIGTERM, then SIGKILL
-after a deadline) on Ctrl-C, SIGTERM or `stop()`. Tests start clusters the same way."""
+prefill and decode instances), on free loopback ports; N API processes share the one HTTP port. Writes one
+config per process, starts them in dependency order, waits until the conductor reports every instance, and
+stops them all (SIGTERM, then SIGKILL after a deadline) on Ctrl-C, SIGTERM or `stop()`. Tests start
+clusters the same way."""
 
 import dataclasses
 import json

@@ -102,7 +102,7 @@ def cluster_view_ms(num_prefill: int, num_decode: int, per_instance: int = 16, r
     """Milliseconds to build the live conductor's view with `per_instance` requests on every instance."""
     from mooncake import messages as m
     from mooncake.conductor.decide import cluster_view
-    from mooncake.conductor.flight import Flight, Leg
+    from mooncake.conductor.flight import Flight
     from mooncake.conductor.instances import InstanceRegistry
     from mooncake.sampling import SamplingParams
     registry, flights = InstanceRegistry(1e9), {}
@@ -117,10 +117,9 @@ def cluster_view_ms(num_prefill: int, num_decode: int, per_instance: int = 16, r
         # each request's context, so its cost must not grow with it.
         prompt = [1] * rng.randint(1024, 16384)
         flight = Flight(wire, prompt, SamplingParams(max_tokens=512), "api-0", predicted_prefill_s=1.0,
-                        in_prefill=i % 2 == 0, decode_start_s=10.0)
+                        in_prefill=i % 2 == 0, decode_start_s=10.0, placed_s=0.0)
         if not flight.in_prefill:
             flight.num_decoded = rng.randint(1, 500)
-        flight.legs.append(Leg(wire, f"prefill-{i % num_prefill}", f"decode-{i % num_decode}", 0, 0.0))
         flights[wire] = flight
         registry.get(f"prefill-{i % num_prefill}").request_ids.add(wire)
         registry.get(f"decode-{i % num_decode}").request_ids.add(wire)

@@ -359,7 +359,8 @@ def main() -> None:
         "args": {k: str(v) for k, v in vars(args).items()}}
     print(f"submitted {result['submitted']}, accepted {result['accepted']}, completed {result['completed']} "
           f"({result['completed_share']:.1%}), migrated {migrated}, faults {result['faults']}")
-    print(f"errors {dict(errors) or 0}; hung {result['hung']}; truncated {result['truncated']}; leaked_blocks {result['leaked_blocks']} {leftover or ''}")
+    print(f"errors {dict(errors) or 0}; hung {result['hung']}; truncated {result['truncated']}; "
+          f"leaked_blocks {result['leaked_blocks']} {leftover or ''}")
     print(f"duplicated_tokens {duplicated}, lost_tokens {lost}, diverged_streams {diverged}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

@@ -56,6 +56,7 @@ class FrontDoor:
         self.name = f"API process {self.api_id}"
         self.metrics = ApiMetrics(self.api_id, lambda: len({id(f) for f in self.streams.values()}))
         self.streams: dict[str, Flight] = {}  # by the wire id of their current leg
+        self.is_stopping = False  # a clean stop: no request starts or moves any more
         self.pending: dict[str, asyncio.Future] = {}  # Place awaiting Placed, by wire id
         self.timelines = Timelines(self.cfg.otlp_endpoint, clock=clock)
         self.model = None
@@ -97,6 +98,7 @@ class FrontDoor:
 
     def end_streams(self) -> None:
         """Every running stream ends now with an error event (a clean stop of this process)."""
+        self.is_stopping = True
         for flight in list(self.streams.values()):
             flight.inbox.put_nowait(RequestError(f"request {flight.request_id}: the API process is shutting down; "
                                                  f"retry"))
@@ -203,6 +205,9 @@ class FrontDoor:
     async def _place(self, flight: Flight, admit: bool, avoid: tuple[str, ...], moved_from: str = "") -> m.Placed:
         """Ask the conductor to place the request's next leg (its prompt and every token streamed so far);
         raises Unavailable when no conductor answers within api.conductor_wait_s."""
+        if self.is_stopping:
+            return m.Placed(request_id=flight.wire_id, refusal="unavailable",
+                            error="the API process is shutting down; retry")
         flight.num_wire_ids += 1
         n = flight.num_wire_ids
         wire_id = flight.request_id if n == 1 else f"{flight.request_id}.{n - 1}"
@@ -361,6 +366,9 @@ class FrontDoor:
                 placed = m.Placed(request_id=flight.wire_id, refusal="unavailable", error=str(exc))
             if not placed.refusal:
                 break
+            if self.is_stopping:
+                raise RequestError(f"{failure}; request {flight.request_id} could not move: the API process is "
+                                   f"shutting down; retry")
             if placed.refusal == "unreachable":
                 avoid += tuple(placed.suspects)
             elif placed.refusal != "unavailable":

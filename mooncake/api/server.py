@@ -73,7 +73,8 @@ class ApiServer:
         await self.runner.setup()
         limit_connections(self.runner.server, self.cfg.max_connections)
         tls = tls_context(self.cfg)
-        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port, ssl_context=tls, reuse_port=self.reuse_port or None)
+        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port, ssl_context=tls,
+                           reuse_port=self.reuse_port or None)
         try:
             await site.start()
         except OSError as exc:
@@ -264,6 +265,16 @@ class ApiServer:
         except ConnectionResetError:
             log.info("client went away; request %s cancelled", ", ".join(f.request_id for f in flights))
             return response
+        except asyncio.CancelledError:  # NOTE: this process is stopping (or the client left): say so if it hears
+            stopping = ApiError(503, "the API process is shutting down; retry", type_="server_error",
+                                code="shutting_down").body()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(_send(response, stopping), 0.5)
+            raise
+        except Exception:  # noqa: BLE001  a bug: the stream still ends with an error event, never silently
+            log.exception("streaming request %s failed", ", ".join(f.request_id for f in flights))
+            await _send(response, ApiError(500, "internal error; see the API process's log",
+                                           type_="server_error").body())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

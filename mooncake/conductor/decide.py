@@ -73,7 +73,7 @@ def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_s
         queued = [f for r in instance.request_ids if (f := flights.get(r)) is not None and f.in_prefill]
         work_s = sum(f.predicted_prefill_s for f in queued)
         if queued:
-            since = max(instance.last_done_s, min(f.legs[-1].placed_s for f in queued))
+            since = max(instance.last_done_s, min(f.placed_s for f in queued))
             work_s = max(0.0, work_s - (now - since))
         prefills.append(PrefillView(instance.instance_id, work_s, len(queued)))
     if 1 < group_stages <= len(prefills):

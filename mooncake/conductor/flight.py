@@ -14,17 +14,6 @@ from mooncake.sampling import SamplingParams
 
 
 @dataclass
-class Leg:
-    """When the leg was placed (the conductor's clock); the prefill queue counts from then."""
-
-    wire_id: str
-    prefill_id: str
-    decode_id: str
-    reuse_blocks: int
-    placed_s: float
-
-
-@dataclass
 class Flight:
     """One leg in flight: where it runs, its prediction, and who owns its stream."""
 
@@ -41,7 +30,7 @@ class Flight:
     is_decode_sent: bool = False  # decode has claimed the leg's KV from its inbox
     num_decoded: int = 0  # tokens decode produced, as its last heartbeat said
     holders: set[str] = field(default_factory=set)  # instances that hold this leg
-    legs: list[Leg] = field(default_factory=list)  # this one (the load view reads legs[-1].placed_s)
+    placed_s: float = 0.0  # the conductor's clock: the prefill queue counts its work from then
 
     @property
     def wire_id(self) -> str:

@@ -4,7 +4,7 @@ home-made election.
 
 Each conductor campaigns by creating `conductor.etcd_key` under a lease of `conductor.leader_ttl_s`
 (etcd's compare-and-create: at most one succeeds); the winner keeps the lease alive and serves, the others
-look again every third of the TTL. A leader that cannot renew its lease within two thirds of the TTL
+look again every STANDBY_POLL_S. A leader that cannot renew its lease within two thirds of the TTL
 steps down (its process ends; what restarts it makes it a standby) before anyone else can win, so two
 never serve at once. A dead leader's key goes with its lease, at most a TTL later. Only the leader
 listens on its control address: instances and API processes, given every conductor's address, reach
@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 from mooncake.errors import ConfigError, MooncakeError
 
 log = logging.getLogger(__name__)
+
+STANDBY_POLL_S = 0.25  # a standby tries to take the lead this often (one small etcd transaction each time)
 
 
 class LostLeadership(MooncakeError):
@@ -66,7 +68,7 @@ class Leadership:
             except Exception as exc:  # noqa: BLE001  etcd away or slow: try again
                 log.warning("etcd at %s: %s; trying again", ", ".join(self.endpoints), exc)
                 await self.close()
-            await asyncio.sleep(self.ttl_s / 3)
+            await asyncio.sleep(STANDBY_POLL_S)
 
     async def keep(self) -> None:
         """Renew the lease until it cannot be renewed in time; then raise LostLeadership."""

@@ -20,7 +20,7 @@ from mooncake.conductor.control import ControlPlane
 from mooncake.conductor.cpp import CppSettings
 from mooncake.conductor.decide import Decider, cluster_view
 from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
-from mooncake.conductor.flight import Flight, Leg
+from mooncake.conductor.flight import Flight
 from mooncake.conductor.instances import Instance, InstanceRegistry
 from mooncake.conductor.leadership import Leadership
 from mooncake.conductor.metrics import ConductorMetrics
@@ -176,7 +176,8 @@ class Conductor:
         if msg.moved_from:
             self.metrics.migrations.labels("moved").inc()
         p = flight.placement
-        return m.Placed(request_id=rid, prefill_ids=[i for i in p.stage_ids or (p.prefill_id,) if i], decode_id=p.decode_id,
+        return m.Placed(request_id=rid, prefill_ids=[i for i in p.stage_ids or (p.prefill_id,) if i],
+                        decode_id=p.decode_id,
                         reuse_blocks=p.reuse_blocks, predicted_ttft_s=p.ttft_s, predicted_tbt_s=p.tbt_s)
 
     async def _start_leg(self, flight: Flight, admit: bool, avoid: tuple[str, ...], time_left_s: float) -> None:
@@ -261,7 +262,7 @@ class Conductor:
     def _new_leg(self, flight: Flight, p: Placement, now: float) -> None:
         flight.placement, flight.in_prefill = p, True
         self.flights[flight.request_id] = flight
-        flight.legs.append(Leg(flight.request_id, p.prefill_id, p.decode_id, p.reuse_blocks, now))
+        flight.placed_s = now
         if (owner := self.registry.get(flight.owner)) is not None:
             owner.request_ids.add(flight.request_id)  # NOTE: if the owner dies, its legs are freed
 

@@ -4,14 +4,14 @@ import pytest
 
 from mooncake import messages as m
 from mooncake.conductor.decide import cluster_view
-from mooncake.conductor.flight import Flight, Leg
+from mooncake.conductor.flight import Flight
 from mooncake.conductor.instances import InstanceRegistry
 from mooncake.sampling import SamplingParams
 
 
 def flight_on(registry, wire_id: str, placed_s: float, predicted_s: float) -> Flight:
-    flight = Flight(wire_id, [1, 2, 3], SamplingParams(), owner="api-0", predicted_prefill_s=predicted_s)
-    flight.legs.append(Leg(wire_id, "prefill-0", "decode-0", 0, placed_s))
+    flight = Flight(wire_id, [1, 2, 3], SamplingParams(), owner="api-0", predicted_prefill_s=predicted_s,
+                    placed_s=placed_s)
     registry.get("prefill-0").request_ids.add(wire_id)
     return flight
 
@@ -56,5 +56,5 @@ def test_decode_load_is_current_context_at_the_instances_last_step_time():
     registry.heartbeat(m.Heartbeat(instance_id="decode-0", step_samples=[[1, 110, 0.1], [1, 111, 0.3]]), now=10.0)
     assert batch_at(15.9) == (2, 410) and batch_at(16.1) == (1, 110) and batch_at(18.1) == (0, 0)  # at 0.2 s
     assert batch_at(16.9, now=13.0) == (2, 410) and batch_at(17.1, now=13.0) == (1, 110)  # a late hand-off
-    decoding.num_decoded += 20  # at 20 s, 20 tokens later (decode's heartbeat says): 20 left, a longer context; b still late
+    decoding.num_decoded += 20  # at 20 s, 20 tokens later (decode's heartbeat says): 20 left, longer context
     assert batch_at(23.9, now=20.0) == (2, 430) and batch_at(24.1, now=20.0) == (0, 0)

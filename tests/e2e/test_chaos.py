@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_short_chaos_run_hangs_leaks_and_garbles_nothing(tiny_dir, tmp_path):
     out = tmp_path / "chaos.json"
     run = subprocess.run([sys.executable, "scripts/chaos.py", "--duration", "30", "--interval", "3",
-                          "--max-output", "160", "--roles", "all", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=900)
+                          "--max-output", "160", "--roles", "all", "--json", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["faults"] >= 8 and result["accepted"] >= 20, result
