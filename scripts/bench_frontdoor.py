@@ -6,9 +6,9 @@ revision REF (checked out in a temporary worktree: before the front door, its co
 token and served the API).
 
 Each row: S concurrent streams of a --prompt-tokens prompt (new each time: no prefix reuse) and
---output-tokens greedy tokens, through the REST API. Per role, CPU seconds (utime + stime of its processes
-from /proc, over the load) per streamed token; the conductor's CPU per request; cluster tokens/s; TTFT
-p50. Prints a table and writes JSON (`--json`): `rows[]` with `tree`, `api`, `streams`, `tok_per_s`,
+--output-tokens greedy tokens, through the REST API, --rounds times; each figure is the median over rounds.
+Per role, CPU seconds (utime + stime of its processes from /proc, over the load) per streamed token; the
+conductor's CPU per request; cluster tokens/s; TTFT p50. Prints a table and writes JSON (`--json`): `rows[]` with `tree`, `api`, `streams`, `tok_per_s`,
 `ttft_p50_s`, `cpu_us_per_token` ({role: us}), `conductor_ms_per_request`, and `goals`.
 
     python scripts/bench_frontdoor.py --baseline bfb26b5 --json /tmp/frontdoor.json"""
@@ -75,6 +75,19 @@ def load(url: str, streams: int, args) -> dict:
             "ttft_p50_s": statistics.median(t for t, _ in results) if results else 0.0}
 
 
+def one_round(cluster, streams: int, args) -> dict:
+    """One load of `streams` streams: its figures, CPU per role from /proc (10 ms ticks: rounds even it out)."""
+    before = {p.name: cpu_s(p.pid) for p in cluster.processes}
+    got = load(cluster.url, streams, args)
+    spent: dict[str, float] = {}
+    for p in cluster.processes:
+        spent[p.role] = spent.get(p.role, 0.0) + cpu_s(p.pid) - before[p.name]
+    tokens = max(1, got["tokens"])
+    return {"tok_per_s": got["tokens"] / got["wall_s"], "ttft_p50_s": got["ttft_p50_s"],
+            "cpu_us_per_token": {role: s / tokens * 1e6 for role, s in spent.items()},
+            "conductor_ms_per_request": spent.get("conductor", 0.0) / max(1, got["requests"]) * 1e3}
+
+
 def drive(args) -> None:
     """In a subprocess whose tree is args.tree: one cluster per API count, every stream count on it."""
     sys.path.insert(0, str(args.tree))
@@ -92,17 +105,12 @@ def drive(args) -> None:
         with DevCluster(load_config(None, settings), 1, 2, 0, workdir, log_to_files=True, **kwargs) as cluster:
             load(cluster.url, 2, args)  # warm up
             for streams in args.streams:
-                before = {p.name: cpu_s(p.pid) for p in cluster.processes}
-                got = load(cluster.url, streams, args)
-                spent: dict[str, float] = {}
-                for p in cluster.processes:
-                    spent[p.role] = spent.get(p.role, 0.0) + cpu_s(p.pid) - before[p.name]
-                tokens = max(1, got["tokens"])
-                rows.append({"tree": args.label, "api": num_api, "streams": streams,
-                             "tok_per_s": got["tokens"] / got["wall_s"], "ttft_p50_s": got["ttft_p50_s"],
-                             "cpu_us_per_token": {role: s / tokens * 1e6 for role, s in spent.items()},
-                             "conductor_ms_per_request": spent.get("conductor", 0.0) / max(1, got["requests"]) * 1e3,
-                             "requests": got["requests"], "tokens": got["tokens"]})
+                rounds = [one_round(cluster, streams, args) for _ in range(args.rounds)]
+                rows.append({"tree": args.label, "api": num_api, "streams": streams, "rounds": args.rounds,
+                             **{key: statistics.median(r[key] for r in rounds)
+                                for key in ("tok_per_s", "ttft_p50_s", "conductor_ms_per_request")},
+                             "cpu_us_per_token": {role: statistics.median(r["cpu_us_per_token"][role] for r in rounds)
+                                                  for role in rounds[0]["cpu_us_per_token"]}})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     Path(args.out).write_text(json.dumps(rows))
 
@@ -111,7 +119,8 @@ def run_tree(tree: Path, label: str, args) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--drive", "--tree", str(tree), "--label", label,
                "--out", out.name, "--speedup", str(args.speedup), "--prompt-tokens", str(args.prompt_tokens),
-               "--output-tokens", str(args.output_tokens), "--streams", *map(str, args.streams),
+               "--output-tokens", str(args.output_tokens), "--rounds", str(args.rounds),
+               "--streams", *map(str, args.streams),
                "--api", *map(str, args.api)]
         env = {**os.environ, "PYTHONPATH": str(tree)}  # NOTE: the cluster's processes import that tree's mooncake
         subprocess.run(cmd, check=True, cwd=tree, env=env, timeout=3600)
@@ -125,6 +134,7 @@ def main() -> None:
     parser.add_argument("--speedup", type=float, default=20.0)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=5, help="loads per row; each figure is their median")
     parser.add_argument("--baseline", metavar="REF", help="also run git revision REF (a temporary worktree)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)
