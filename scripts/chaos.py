@@ -16,7 +16,8 @@ in-flight requests drain, and then:
 - truncated: accepted streams that ended cleanly with neither a finish reason nor an error event (a
   silent truncation, which a client cannot tell from a finished answer); a connection that broke (its API
   process died: the only loss that allows) counts under errors as stream_broke instead;
-- migrated: requests the conductor moved (mooncake_migrations_total{outcome="moved"});
+- migrated: moves of requests to other instances, from every API process's one line per request (`legs=`;
+  the conductor's mooncake_migrations_total starts again from zero each time it restarts);
 - errors: by kind (HTTP status of refusals, or the error event's kind);
 - hung: accepted streams without a terminal state past conductor.request_deadline_s (plus a grace);
 - leaked_blocks: KV blocks still held by requests or waiting in a decode inbox, requests the conductor
@@ -29,6 +30,7 @@ Every load loop is bounded and the script stops by itself. Prints a summary and 
 
 import argparse
 import difflib
+import re
 import http.client
 import json
 import random
@@ -337,7 +339,9 @@ def main() -> None:
         while (leftover := held(cluster)) and time.monotonic() < settle:
             time.sleep(0.5)
         values = read_metrics(cluster.url)
-        migrated = int(values.get('mooncake_migrations_total{outcome="moved"}', 0))
+        migrated = sum(int(legs) - 1 for log in workdir.glob("api-*.log")
+                       for legs in re.findall(r" outcome=\S+ .* legs=(\d+) ", log.read_text(errors="replace"))
+                       if int(legs) > 1)
     accepted = [c for c in clients if c.status == 200]
     completed = [c for c in accepted if c.finish_reason and not c.error]
     truncated = [c for c in accepted if c.ended_s is not None and not c.is_terminal and not c.is_broken]
