@@ -196,10 +196,9 @@ class ConductorConfig:
     cpp_stages: int = 1
     cpp_threshold_tokens: int = 2048
     cpp_chunk_tokens: int = 2048
-    # A standby conductor (DESIGN section 13): with etcd endpoints (http://host:2379), each conductor
-    # campaigns for etcd_key under a lease of leader_ttl_s and only the leader listens on control_address;
-    # list every conductor's address in instance.conductor_address. Empty: one conductor, no etcd.
-    # Needs `pip install '.[ha]'`.
+    # A standby conductor (DESIGN section 13; `pip install '.[ha]'`): with etcd endpoints (http://host:2379),
+    # each conductor campaigns for etcd_key under a lease of leader_ttl_s; only the leader listens on
+    # control_address (list every conductor in instance.conductor_address). Empty: one conductor, no etcd.
     etcd_endpoints: tuple[str, ...] = ()
     etcd_key: str = "/mooncake/conductor/leader"
     leader_ttl_s: float = 2.0
@@ -276,9 +275,7 @@ class ApiConfig:
     tls_cert: str = ""  # PEM certificate chain: serve HTTPS (with api.tls_key)
     tls_key: str = ""
     metrics_key: str = ""  # non-empty: /metrics and /health need "Authorization: Bearer <metrics_key>"
-    # Where prefill and decode instances send this process's tokens (a ZeroMQ address; port 0: any free
-    # one). Empty: this host's address on the route to the conductor, any free port.
-    report_address: str = ""
+    report_address: str = ""  # where instances send its tokens (ZeroMQ); empty: its address toward the conductor
     conductor_wait_s: float = 10.0  # a new request waits this long for an absent conductor, then gets 503
     reuse_port: bool = False  # SO_REUSEPORT: several API processes of this host listen on api.port together
     tokenizer_threads: int = 2  # threads that parse, template and tokenize requests, off the event loop

@@ -199,8 +199,18 @@ class Chaos:
             self.log.append({"at_s": round(now, 2), "process": proc.name, "fault": "exited by itself"})
 
 
-def read_metrics(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+def read_metrics(url: str, wait_s: float = 30.0) -> dict[str, float]:
+    """The cluster's /metrics; an API process that is still finding its (restarted) conductor answers 503
+    with Retry-After: ask again, for up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+            break
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -355,6 +365,8 @@ def main() -> None:
     result = {
         "accepted": len(accepted), "completed": len(completed), "submitted": len(clients), "migrated": migrated,
         "truncated": len(truncated),
+        "truncated_streams": [{"started_s": round(c.started_s - start, 2), "ended_s": round(c.ended_s - start, 2),
+                               "tokens": len(c.token_ids), "max_tokens": c.max_tokens} for c in truncated],
         "errors": dict(errors), "hung": len(hung), "leaked_blocks": int(sum(leftover.values())),
         "leaked": leftover, "duplicated_tokens": duplicated, "lost_tokens": lost, "diverged_streams": diverged,
         "completed_share": len(completed) / max(1, len(accepted)), "faults": len(chaos.log),

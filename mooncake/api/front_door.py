@@ -107,6 +107,12 @@ class FrontDoor:
                 answer.set_result(m.Placed(request_id=wire_id, refusal="unavailable",
                                            error="the API process is shutting down; retry"))
 
+    async def drained(self, timeout_s: float) -> None:
+        """Until every stream has ended (after end_streams), or `timeout_s`."""
+        deadline = self.clock() + timeout_s
+        while self.streams and self.clock() < deadline:
+            await asyncio.sleep(0.02)
+
     async def stop(self) -> None:
         self.end_streams()
         if self.link is not None:

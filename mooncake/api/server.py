@@ -87,8 +87,10 @@ class ApiServer:
 
     async def stop(self) -> None:
         if self.runner is not None:
-            # NOTE: its streams end with an error event first, so their handlers return and the clients know
+            # NOTE: its streams end with an error event first, so their handlers return and the clients know;
+            # aiohttp's cleanup cancels the handlers still running (see _stream for what they then say).
             self.door.end_streams()
+            await self.door.drained(STOP_S)
             await self.runner.cleanup()
             self.runner = None
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -268,8 +270,11 @@ class ApiServer:
         except asyncio.CancelledError:  # NOTE: this process is stopping (or the client left): say so if it hears
             stopping = ApiError(503, "the API process is shutting down; retry", type_="server_error",
                                 code="shutting_down").body()
-            with contextlib.suppress(Exception):
+            try:
                 await asyncio.wait_for(_send(response, stopping), 0.5)
+            except Exception:  # noqa: BLE001  it cannot be told: cut the connection, so it never reads a clean end
+                if request.transport is not None:
+                    request.transport.abort()
             raise
         except Exception:  # noqa: BLE001  a bug: the stream still ends with an error event, never silently
             log.exception("streaming request %s failed", ", ".join(f.request_id for f in flights))
