@@ -2,6 +2,7 @@
 cached; when that instance dies the prefix comes from the cache pool and stays as a local replica;
 concurrent requests spread over the decode instances."""
 
+import re
 import signal
 import threading
 import time
@@ -87,11 +88,16 @@ def test_a_restarted_conductor_refills_its_index_and_places_a_prefix_where_it_is
         cluster.kill("prefill-0", signal.SIGCONT)
     cluster.wait_ready(60)
 
+    def snapshots() -> int:  # NOTE: prefill-1's own, not just as many hashes (the pool's alone hold the prefix)
+        return len(re.findall(r"prefill-1: \d+ cached blocks indexed from its snapshot",
+                              (cluster.workdir / "conductor.log").read_text()))  # appended to across restarts
+    before = snapshots()
     cluster.kill("conductor", signal.SIGKILL)
     cluster.spawn(cluster.process("conductor"))
     cluster.wait_ready(120)
     deadline = time.monotonic() + 10  # the instances' and cache nodes' snapshots refill the index
-    while metrics(cluster.url).get("mooncake_prefix_index_blocks", 0) < 2 * (cached // BLOCK):
+    while metrics(cluster.url).get("mooncake_prefix_index_blocks", 0) < 2 * (cached // BLOCK) or \
+            snapshots() <= before:
         assert time.monotonic() < deadline, "the restarted conductor's index was not refilled"
         time.sleep(0.1)
     m0 = metrics(cluster.url)
