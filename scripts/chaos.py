@@ -16,6 +16,8 @@ in-flight requests drain, and then:
 - truncated: accepted streams that ended cleanly with neither a finish reason nor an error event (a
   silent truncation, which a client cannot tell from a finished answer); a connection that broke (its API
   process died: the only loss that allows) counts under errors as stream_broke instead;
+- broken / broken_without_an_api_death: accepted streams whose connection was cut (no `data: [DONE]`),
+  and how many of those did not end within a few seconds of a kill or term of an API process;
 - migrated: moves of requests to other instances, from every API process's one line per request (`legs=`;
   the conductor's mooncake_migrations_total starts again from zero each time it restarts);
 - errors: by kind (HTTP status of refusals, or the error event's kind);
@@ -59,6 +61,7 @@ from mooncake.sim.trace import TraceRequest, load_trace  # noqa: E402
 FAULTS = ("kill", "stop", "term")
 ROLES = ("prefill", "decode", "cache", "conductor", "api")
 GRACE_S = 15.0  # past a request's deadline before it counts as hung; also the drain's settle time
+BREAK_AFTER_S = 5.0  # a stream cut this long after an API process was killed or stopped is its loss (STOP_S is 3)
 
 
 def block_tokens(hash_id: int, n: int) -> list[int]:
@@ -98,6 +101,7 @@ class Client:
         self.error = None  # the error event's message, or why the stream broke
         self.is_terminal = False
         self.is_broken = False  # the connection broke: the client saw it (not a silent truncation)
+        self.saw_done = False  # `data: [DONE]`: the server ended the stream (a cut connection never sends it)
         self.started_s = time.monotonic()
         self.ended_s = None
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -113,6 +117,8 @@ class Client:
             with urllib.request.urlopen(self._req, timeout=self._read_timeout_s) as r:
                 self.status = r.status
                 for line in r:
+                    if line.startswith(b"data: [DONE]"):
+                        self.saw_done = True
                     if not line.startswith(b"data: {"):
                         continue
                     event = json.loads(line[6:])
@@ -123,6 +129,10 @@ class Client:
                     self.token_ids += choice.get("token_ids", [])
                     if choice.get("finish_reason"):
                         self.finish_reason, self.is_terminal = choice["finish_reason"], True
+            if not self.saw_done and not self.is_terminal:
+                # NOTE: urllib ends a chunked body cut at a chunk boundary as if it were whole (httpx and curl
+                # report it): the missing [DONE] tells a cut connection from a clean end
+                self.error, self.is_broken = "stream broke: the connection closed before data: [DONE]", True
         except urllib.error.HTTPError as exc:
             self.status, self.is_terminal = exc.code, True
             self.error = exc.read().decode(errors="replace")[:300]
@@ -355,6 +365,9 @@ def main() -> None:
     accepted = [c for c in clients if c.status == 200]
     completed = [c for c in accepted if c.finish_reason and not c.error]
     truncated = [c for c in accepted if c.ended_s is not None and not c.is_terminal and not c.is_broken]
+    broken = [c for c in accepted if c.is_broken and not c.is_terminal]
+    api_deaths = [f["at_s"] for f in chaos.log if f["process"].startswith("api-") and f["fault"] in ("kill", "term")]
+    unexplained = [c for c in broken if not any(0 <= c.ended_s - start - t <= BREAK_AFTER_S for t in api_deaths)]
     print(f"computing {len(accepted)} greedy references ...", flush=True)
     refs = reference(accepted, args.model, args.block_tokens)
     duplicated = lost = diverged = 0
@@ -367,6 +380,9 @@ def main() -> None:
         "truncated": len(truncated),
         "truncated_streams": [{"started_s": round(c.started_s - start, 2), "ended_s": round(c.ended_s - start, 2),
                                "tokens": len(c.token_ids), "max_tokens": c.max_tokens} for c in truncated],
+        "broken": len(broken), "broken_without_an_api_death": len(unexplained),
+        "broken_streams": [{"started_s": round(c.started_s - start, 2), "ended_s": round(c.ended_s - start, 2),
+                            "tokens": len(c.token_ids), "error": c.error} for c in broken],
         "errors": dict(errors), "hung": len(hung), "leaked_blocks": int(sum(leftover.values())),
         "leaked": leftover, "duplicated_tokens": duplicated, "lost_tokens": lost, "diverged_streams": diverged,
         "completed_share": len(completed) / max(1, len(accepted)), "faults": len(chaos.log),
@@ -378,6 +394,8 @@ def main() -> None:
     print(f"errors {dict(errors) or 0}; hung {result['hung']}; truncated {result['truncated']}; "
           f"leaked_blocks {result['leaked_blocks']} {leftover or ''}")
     print(f"duplicated_tokens {duplicated}, lost_tokens {lost}, diverged_streams {diverged}")
+    print(f"broken connections {len(broken)}, of which {len(unexplained)} not within {BREAK_AFTER_S:g} s of an API "
+          f"process's kill or term")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")

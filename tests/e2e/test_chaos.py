@@ -22,4 +22,5 @@ def test_a_short_chaos_run_hangs_leaks_and_garbles_nothing(tiny_dir, tmp_path):
     assert result["leaked_blocks"] == 0, result["leaked"]
     assert result["duplicated_tokens"] == 0 and result["lost_tokens"] == 0, result
     assert result["truncated"] == 0, result
+    assert result["broken_without_an_api_death"] == 0, result["broken_streams"]
     assert {e["process"].split("-")[0] for e in result["fault_log"]} >= {"conductor", "api", "prefill", "decode"}
