@@ -4,6 +4,7 @@ it is away gets 503 with Retry-After, never a dropped connection; killing one of
 only its own clients' streams, the other's complete, and every instance frees the dead one's requests."""
 
 import json
+import re
 import signal
 import time
 import urllib.error
@@ -15,12 +16,13 @@ from tests.e2e.conftest import make_cluster, metrics, wait_for
 from tests.e2e.test_migration import Stream, assert_idle, story
 
 CONDUCTOR_WAIT_S = 2.0
+TOKEN_TIMEOUT_S = 5.0  # how long an API process waits for a silent decode before it moves the stream
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dir, tmp_path_factory):
     with make_cluster(tmp_path_factory, "tcp", num_prefill=1, num_decode=2, num_api=2,
-                      **{"api.conductor_wait_s": CONDUCTOR_WAIT_S}) as c:
+                      **{"api.conductor_wait_s": CONDUCTOR_WAIT_S, "conductor.token_timeout_s": TOKEN_TIMEOUT_S}) as c:
         yield c
 
 
@@ -63,6 +65,39 @@ def test_a_conductor_killed_mid_stream_costs_the_running_streams_nothing(cluster
     # /metrics: the cluster's series from the conductor, then the answering API process's own
     own = {k: v for k, v in metrics(cluster.url).items() if k.startswith("mooncake_api_streamed_tokens_total{")}
     assert len(own) == 1 and list(own.values())[0] > 0
+
+
+def test_a_decode_that_dies_while_the_conductor_is_away_is_left_once_it_is_back(cluster):
+    """No one tells the API processes that decode-0 died (the conductor that would is dead too): its streams
+    fall silent, and after conductor.token_timeout_s each moves, through the restarted conductor, to the
+    other decode, resuming after the tokens it had; every stream equals an undisturbed one."""
+    bodies = [story(400) for _ in range(8)]
+    reference = [Stream(cluster.url, body) for body in bodies]
+    reference = [s.result() for s in reference]
+    moved_before = _moved(cluster)
+    streams = [Stream(cluster.url, body) for body in bodies]
+    wait_for(all_streaming(streams), 60, "every stream's first tokens")
+    cluster.kill("conductor", signal.SIGKILL)
+    cluster.kill("decode-0", signal.SIGKILL)
+    try:
+        assert not all(s.done.is_set() for s in streams), "the streams ended before decode-0 died"
+        time.sleep(1.0)  # both away at once
+    finally:
+        cluster.spawn(cluster.process("conductor"))
+    try:
+        for stream, tokens in zip(streams, reference):
+            assert stream.result() == tokens and stream.finish_reason == "length" and stream.error is None
+        assert _moved(cluster) > moved_before, "no stream was on decode-0"
+    finally:
+        cluster.spawn(cluster.process("decode-0"))
+    cluster.wait_ready(60)
+    assert_idle(cluster, timeout_s=15)
+
+
+def _moved(cluster) -> int:
+    """Streams the API processes moved to another leg, from their request log lines."""
+    return sum(int(legs) - 1 for proc in cluster.processes if proc.role == "api"
+               for legs in re.findall(r" legs=(\d+) ", proc.log_path.read_text(errors="replace")) if int(legs) > 1)
 
 
 def test_a_dead_api_process_drops_only_its_own_streams_and_the_instances_free_them(cluster):
