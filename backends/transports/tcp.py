@@ -72,6 +72,7 @@ class TcpTransport(Transport):
     async def start(self, service=None, address=None) -> str:
         self.service = service
         if service is not None:
+            self._guard = ReplayGuard()  # NOTE: from now: whatever was sealed before this start is not new
             # A plain (not asyncio) socket read from a loop reader callback: handling a request is
             # synchronous anyway, and this skips a future and a task wake-up per message.
             self._server = security.server(zmq.Socket(zmq.Context.shadow(self.ctx.underlying), zmq.ROUTER),

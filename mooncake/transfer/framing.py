@@ -26,11 +26,12 @@ WIRE_VERSION = 4  # 2: checksums two-level above one chunk (mooncake/hashing.py)
 Tamper = Callable[[int, bytes], bytes] | None
 _BINDING = struct.Struct("<8sQd")  # the sender endpoint's random id, its counter towards this peer, its clock
 REPLAY_WINDOW_S = 3600.0  # a message older (or newer) than this by the receiver's clock is refused
+CLOCK_SKEW_S = 1.0  # how far the hosts' clocks may differ (NTP keeps them within milliseconds)
 REPLY = "reply from "  # what a reply is bound to: its sender's address, as its receiver knows it
 
 
-def binding(sender_id: bytes, counter: int) -> bytes:
-    return _BINDING.pack(sender_id, counter, time.time())
+def binding(sender_id: bytes, counter: int, at: float | None = None) -> bytes:
+    return _BINDING.pack(sender_id, counter, time.time() if at is None else at)
 
 
 def seal_for(bind, receiver: str, header) -> bytes:
@@ -45,10 +46,12 @@ def is_sealed_for(mac, bind, receiver: str, header) -> bool:
 class ReplayGuard:
     """Admits each sealed message once: per sender endpoint, counters only grow (one connection keeps its
     messages in order), and a message from outside the time window is refused, so one from a sender the
-    guard has forgotten cannot come back either."""
+    guard has forgotten cannot come back either. Nor can one sealed before the guard started (less
+    CLOCK_SKEW_S): a receiver restarted on the same address has forgotten what its predecessor admitted."""
 
     def __init__(self, window_s: float = REPLAY_WINDOW_S, clock=time.time):
         self.window_s, self.clock = window_s, clock
+        self.started_s = clock()
         self._last: dict[bytes, tuple[int, float]] = {}  # sender id -> (its highest counter, when seen)
         self._next_prune = 0.0
 
@@ -61,6 +64,9 @@ class ReplayGuard:
         now = self.clock()
         if abs(now - sent_at) > self.window_s:
             return f"sent {now - sent_at:+.0f} s from now: replayed, or the clocks differ by over {self.window_s:g} s"
+        if sent_at < self.started_s - CLOCK_SKEW_S:
+            return (f"sealed {self.started_s - sent_at:.1f} s before this receiver started: replayed, or the "
+                    f"sender's clock is behind by over {CLOCK_SKEW_S:g} s (keep the hosts' clocks in sync)")
         last = self._last.get(sender)
         if last is not None and counter <= last[0]:
             return "replayed"

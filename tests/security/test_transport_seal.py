@@ -8,6 +8,7 @@ Over every transport whose messages cross a socket (tcp, shm, mooncake)."""
 
 import asyncio
 import random
+import time
 
 import msgpack
 import pytest
@@ -21,7 +22,7 @@ from mooncake.hashing import checksum
 from mooncake.kv_payload import KVPayload
 from mooncake.registry import load_backend
 from mooncake.transfer.contract import TransferError
-from mooncake.transfer.framing import ReplayGuard, binding
+from mooncake.transfer.framing import CLOCK_SKEW_S, ReplayGuard, binding
 from tests.transfer.test_transport_contract import DictService, available
 
 
@@ -142,3 +143,41 @@ def test_the_replay_guard_admits_each_message_once_in_order_and_only_when_fresh(
     assert guard.admit(b"short") == "malformed binding"
     late = ReplayGuard(window_s=60, clock=lambda: 1e12)  # the receiver's clock, far past the binding's
     assert "replayed, or the clocks differ" in late.admit(binding(b"sender-c", 1))
+
+
+def test_a_message_sealed_before_its_receiver_started_is_refused():
+    """A receiver that restarts on the same address has forgotten what it admitted: whatever was sealed
+    before it started (less the skew the hosts' clocks may have) cannot be new to it."""
+    started = time.time()
+    guard = ReplayGuard(window_s=3600, clock=lambda: started)
+    assert "before this receiver started" in guard.admit(binding(b"sender-d", 1, at=started - CLOCK_SKEW_S - 1))
+    assert guard.admit(binding(b"sender-d", 2, at=started - CLOCK_SKEW_S / 2)) is None  # a sender's clock behind
+    assert guard.admit(binding(b"sender-d", 3, at=started + 5)) is None
+
+
+@pytest.mark.parametrize("name", ["tcp", "shm"])
+def test_a_message_captured_before_its_receiver_restarted_is_refused_after(name, keyed, monkeypatch):
+    captured = _recording(monkeypatch)
+
+    async def run():
+        cls = load_backend("transports", name)
+        service = DictService()
+        server, client = cls(), cls()
+        address = await server.start(service)
+        await client.start()
+        try:
+            block = _payload(1, random.Random(1).randbytes(4096))
+            assert (await client.send(address, [(1, block)], timeout_s=10, self_checked=True)).ok
+            (message,) = [m for m in captured if b"put" in m[2]]
+            await server.stop()
+            await asyncio.sleep(CLOCK_SKEW_S + 0.2)  # a restart takes longer than the clocks may differ
+            server = cls()
+            assert await server.start(service, address=address) == address
+            service.blocks.clear()
+            assert await unanswered(address, message)  # the new process never saw it, yet refuses it
+            assert service.blocks == {} and server.refused == 1
+            assert (await client.send(address, [(2, block)], timeout_s=10, self_checked=True)).ok
+        finally:
+            await client.stop()
+            await server.stop()
+    asyncio.run(run())
