@@ -108,6 +108,17 @@ def role_of(user_id: str | None) -> str | None:
     return next((r for r, key in _keys.publics.items() if key.decode() == user_id), None)
 
 
+def key_role(frames) -> str | None:
+    """The role of the key a received message's connection authenticated with (its ZAP User-Id), from the
+    message's zmq.Frames (received with copy=False); None without keys."""
+    if _keys is None or not frames:
+        return None
+    try:
+        return role_of(frames[-1].get("User-Id"))
+    except zmq.ZMQError:  # no such property: the connection was not authenticated
+        return None
+
+
 def configure(config, role: str = "prefill") -> None:
     """Load this process's keys (`role`'s pair; a tool acts as an instance) from a MooncakeConfig's
     [security] table, or refuse to run without them on an address beyond loopback (unless

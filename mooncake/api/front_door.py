@@ -22,6 +22,7 @@ import uuid
 import msgspec
 
 from mooncake import messages as m
+from mooncake import security
 from mooncake.addresses import advertise_host
 from mooncake.api.flight import Flight, Leg, StreamEvent
 from mooncake.api.metrics import ApiMetrics
@@ -435,9 +436,10 @@ class FrontDoor:
 
     # -- what reaches this process --------------------------------------------------------------------
 
-    def _route(self, msg, sender: str):
-        """A report from instance `sender`: into its flight's inbox if it holds the current leg; a report of
-        a leg that is over is answered with `Cancel` so the instance frees it."""
+    def _route(self, msg, sender: str, key_role: str | None = None):
+        """A report from instance `sender` (over a connection holding a `key_role` key): into its flight's
+        inbox if it holds the current leg in that role; a report of a leg that is over is answered with
+        `Cancel` so the instance frees it."""
         flight = self.streams.get(msg.request_id)
         if flight is None:
             if isinstance(msg, m.RequestFailed) or msg.finish_reason is not None:
@@ -447,9 +449,11 @@ class FrontDoor:
         if p is not None:
             expected = {m.PrefillDone: p.prefill_ids[-1] if p.prefill_ids else p.decode_id,
                         m.Tokens: p.decode_id}.get(type(msg))
-            if sender not in (*p.prefill_ids, p.decode_id) or expected not in (None, sender):
-                log.warning("ignored %s of request %s from %r, which does not hold it", msg.TAG, msg.request_id,
-                            sender)
+            role = "prefill" if sender in p.prefill_ids else "decode"  # NOTE: colocated instances are decode's
+            if (sender not in (*p.prefill_ids, p.decode_id) or expected not in (None, sender)
+                    or (security.is_secured() and key_role != role)):
+                log.warning("ignored %s of request %s from %r (over a %s key), which does not hold it as a %s",
+                            msg.TAG, msg.request_id, sender, key_role, role)
                 return None
         if isinstance(msg, m.RequestFailed):
             if msg.is_invalid:

@@ -1,7 +1,8 @@
 """An API process's report socket: one ROUTER that prefill and decode instances send this process's
 requests' reports to (PrefillDone, Tokens, StepTokens, RequestFailed), each from its own DEALER whose
-identity is its instance id. `route` gets each report and may answer it (a `Cancel` for a leg this process
-no longer holds), which goes back to the instance that sent it."""
+identity is its instance id. `route(report, sender, key_role)` gets each report with the role of the key
+its connection holds (None without keys) and may answer it (a `Cancel` for a leg this process no longer
+holds), which goes back to the instance that sent it."""
 
 import asyncio
 import logging
@@ -22,7 +23,7 @@ REPORTS = (m.PrefillDone, m.Tokens, m.RequestFailed)
 
 
 class ReportInbox:
-    def __init__(self, bind_address: str, host: str, route: Callable[[object, str], object]):
+    def __init__(self, bind_address: str, host: str, route: Callable[[object, str, str | None], object]):
         self.bind_address = bind_address
         self.host = host  # the host put in the address instances are told
         self.route = route
@@ -62,12 +63,13 @@ class ReportInbox:
 
     async def _receive(self) -> None:
         while True:
-            identity, *frames = await self.sock.recv_multipart()
-            sender = identity.decode(errors="replace")
+            identity, *frames = await self.sock.recv_multipart(copy=False)
+            sender = identity.bytes.decode(errors="replace")
+            key_role = security.key_role(frames)
             try:
                 if len(frames) != 1:
                     raise m.MessageError(f"expected 1 frame after the identity, got {len(frames)}")
-                msg = m.decode(frames[0])
+                msg = m.decode(frames[0].bytes)
             except m.MessageError as exc:
                 log.warning("malformed report from %r: %s", sender, exc)
                 continue
@@ -77,7 +79,7 @@ class ReportInbox:
                     log.warning("unexpected %s from %r on the report socket", report.TAG, sender)
                     continue
                 try:
-                    answer = self.route(report, sender)
+                    answer = self.route(report, sender, key_role)
                 except Exception:  # noqa: BLE001  one report must not end the loop
                     log.exception("handling a report from %r failed", sender)
                     continue

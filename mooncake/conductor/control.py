@@ -99,7 +99,7 @@ class ControlPlane:
             sender = identity.bytes.decode(errors="replace")
             frames = [part.bytes for part in parts]
             try:
-                reply = self._on_frames(sender, frames, _key_role(parts))
+                reply = self._on_frames(sender, frames, security.key_role(parts))
             except Exception:  # noqa: BLE001  one message must not end the control plane
                 log.exception("handling a control message from %r failed", sender)
                 reply = m.ErrorReply(error="internal error; see the conductor's log")
@@ -130,6 +130,12 @@ class ControlPlane:
                 return m.RegisterReply(accepted=False, error=f"this connection's key is a {key_role}'s; it may not "
                                                              f"register a {msg.role} instance")
             return self._register(msg, sender, now)
+        if security.is_secured() and (known := self.registry.get(sender)) is not None and key_role != known.role:
+            # NOTE: a holder of another role's key, connected under the id of an instance whose connection
+            # closed, may not speak for it (nor may any key but its own role's)
+            log.warning("ignored %s from %r: its connection holds a %s's key, and %r is a %s", msg.TAG, sender,
+                        key_role, sender, known.role)
+            return m.ErrorReply(error=f"this connection's key is a {key_role}'s; {sender!r} is a {known.role}")
         if isinstance(msg, (m.Heartbeat, m.Leave)) and msg.instance_id != sender:
             log.warning("ignored %s naming %r from the connection of %r", msg.TAG, msg.instance_id, sender)
             return m.ErrorReply(error=f"{msg.TAG} may name only the sender's own instance")
@@ -256,12 +262,3 @@ class ControlPlane:
         except Exception:  # noqa: BLE001  the next instance's expiry must still happen
             log.exception("moving the requests of %s failed", instance.instance_id)
 
-
-def _key_role(parts) -> str | None:
-    """The role of the key a message's connection authenticated with (its ZAP User-Id); None without keys."""
-    if not security.is_secured() or not parts:
-        return None
-    try:
-        return security.role_of(parts[-1].get("User-Id"))
-    except zmq.ZMQError:  # no such property: the connection was not authenticated
-        return None

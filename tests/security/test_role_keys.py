@@ -2,6 +2,8 @@
 its own prefill and decode instances, receive other users' prompts and write their answers). The
 conductor's control socket admits only instance keys, and an instance key registers only its own role."""
 
+import threading
+
 import pytest
 import zmq
 
@@ -64,3 +66,104 @@ def test_a_host_holds_only_the_secrets_of_its_roles(tmp_path, cluster_keys):
     security.configure(load_config(None, {"security.keys_dir": str(host)}), "cache")
     with pytest.raises(ConfigError, match="prefill key pair"):
         security.load_keys(host, "prefill")
+
+
+def test_a_key_speaks_only_for_instances_of_its_own_role(tiny_dir, cluster_keys):
+    """A key holder who connects under the id of a registered instance of another role (after that one's
+    connection closed) cannot speak for it: every message, not only Register, is checked against the
+    registered role."""
+    served = Served(**{"security.keys_dir": str(cluster_keys), "conductor.heartbeat_timeout_s": 600.0})
+    ctx = zmq.Context.instance()
+
+    def connect(role_key: str, identity: str):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        security.client(sock, keys=security.load_keys(cluster_keys, role_key), server="conductor")
+        sock.connect(served.control)
+        return sock
+
+    def snapshot(sock, seq: int):
+        sock.send(m.encode(m.Heartbeat(instance_id="prefill-a", num_kv_blocks=64, cached_blocks=[11, 12, 13],
+                                       is_snapshot=True, seq=seq)))
+        return m.decode(sock.recv()) if sock.poll(3000) else None
+
+    try:
+        own = connect("prefill", "prefill-a")
+        own.send(m.encode(m.Register(instance_id="prefill-a", role="prefill", num_kv_blocks=64,
+                                     model_id=served.conductor.model.model_id, block_size=64, kv_dtype="float32",
+                                     transport="tcp", data_address="tcp://127.0.0.1:1")))
+        assert own.poll(10_000) and m.decode(own.recv()).accepted
+        own.close()
+        impostor = connect("decode", "prefill-a")  # the same id, once the real one's connection is gone
+        refused = None
+        for _ in range(20):  # the conductor may still see the old connection for a moment
+            refused = snapshot(impostor, 1)
+            if refused is not None and "key" in getattr(refused, "error", ""):
+                break
+        assert isinstance(refused, m.ErrorReply) and "decode's" in refused.error, refused
+        assert served.conductor.index.count("prefill-a") == 0  # nothing it said was believed
+        impostor.close()
+        own = connect("prefill", "prefill-a")  # the instance's own key still speaks for it
+        snapshot(own, 1)
+        deadline = 50
+        while served.conductor.index.count("prefill-a") != 3 and deadline:
+            own.poll(100)
+            deadline -= 1
+        assert served.conductor.index.count("prefill-a") == 3
+        own.close()
+    finally:
+        served.close()
+
+
+def test_an_api_process_believes_a_report_only_over_the_key_of_the_role_that_holds_the_leg(tiny_dir, cluster_keys):
+    """A decode key holder who connects to an API process's report socket under the id of the prefill
+    instance a request was placed on cannot report for it (say, its first token); the prefill's own key can."""
+    served = Served(**{"security.keys_dir": str(cluster_keys), "conductor.heartbeat_timeout_s": 600.0})
+    ctx = zmq.Context.instance()
+
+    def dealer(role_key: str, identity: str, address: str, server: str):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        security.client(sock, keys=security.load_keys(cluster_keys, role_key), server=server)
+        sock.connect(address)
+        return sock
+
+    socks = []
+    try:
+        for role in ("prefill", "decode"):
+            sock = dealer(role, f"{role}-a", served.control, "conductor")
+            socks.append(sock)
+            sock.send(m.encode(m.Register(instance_id=f"{role}-a", role=role, num_kv_blocks=64,
+                                          model_id=served.conductor.model.model_id, block_size=64, kv_dtype="float32",
+                                          transport="tcp", data_address="tcp://127.0.0.1:1")))
+            assert sock.poll(10_000) and m.decode(sock.recv()).accepted
+        answer = []
+        client = threading.Thread(target=lambda: answer.append(served.request("/v1/completions", {
+            "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1})), daemon=True)
+        client.start()
+        assert socks[0].poll(10_000), "no Prefill reached prefill-a"
+        prefill = m.decode(socks[0].recv())
+        assert isinstance(prefill, m.Prefill) and prefill.reply_to
+        done = m.PrefillDone(request_id=prefill.request_id, first_token=9, finish_reason="length", num_cached_tokens=0,
+                             num_computed_tokens=3, num_kv_blocks_sent=0, kv_bytes=0, kv_seconds=0.0,
+                             prefill_seconds=0.01, compute_seconds=0.01)
+        impostor = dealer("decode", "prefill-a", prefill.reply_to, "api")
+        impostor.send(m.encode(done))
+        client.join(2.0)
+        assert client.is_alive() and not answer, f"a decode key reported prefill-a's first token: {answer}"
+        impostor.close()
+        for _ in range(50):  # the report socket may still hold the impostor's connection for a moment
+            own = dealer("prefill", "prefill-a", prefill.reply_to, "api")
+            own.send(m.encode(done))
+            client.join(0.2)
+            own.close()
+            if not client.is_alive():
+                break
+        status, body, _ = answer[0]
+        assert status == 200 and body["usage"]["completion_tokens"] == 1, body
+    finally:
+        for sock in socks:
+            sock.close()
+        served.close()
