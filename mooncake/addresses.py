@@ -46,3 +46,12 @@ def advertised(bound: str, host: str) -> str:
     if parts.scheme != "tcp" or (parts.hostname or "") not in WILDCARDS:
         return bound
     return f"tcp://{host}:{parts.port}"
+
+
+def port_range(text: str) -> tuple[int, int] | None:
+    """"LOW-HIGH" as (LOW, HIGH), or None when it is not a range of unprivileged ports below Linux's
+    ephemeral ones (the Transfer Engine ignores a range that reaches past 32767)."""
+    low, _, high = text.partition("-")
+    if not (low.isdigit() and high.isdigit()) or not 1024 <= int(low) < int(high) <= 32767:
+        return None
+    return int(low), int(high)

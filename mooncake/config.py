@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mooncake import env
+from mooncake.addresses import port_range
 from mooncake.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -24,16 +26,8 @@ def resolve_dtype(dtype: str, device: str, cpu_flags: set[str] | None = None) ->
         return dtype
     if device.startswith("cuda"):
         return "bfloat16"
-    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    flags = env.cpu_flags() if cpu_flags is None else cpu_flags
     return "bfloat16" if flags & {"amx_bf16", "avx512_bf16"} else "float32"
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:  # not Linux: no flags known, float32
-        return set()
 
 
 @dataclass(frozen=True)
@@ -113,9 +107,13 @@ class TransportConfig:
     rdma_devices: tuple[str, ...] = ()  # rdma: the NICs to use, e.g. ["mlx5_0"]; empty: every one found
     metadata_server: str = "P2PHANDSHAKE"  # the mooncake transport's Transfer Engine metadata; P2PHANDSHAKE: none
     shm_segment_bytes: int = 256 << 20  # the shm transport: each endpoint's shared-memory segment
+    te_ports: str = ""  # the mooncake transport: "LOW-HIGH", the ports its Transfer Engine listens on (two per
+    # endpoint, on every interface: it has no bind setting), so a firewall can name them; empty: 15000-17000
 
     def __post_init__(self):
         _check(self.protocol in PROTOCOLS, "transport.protocol", f"must be one of {', '.join(PROTOCOLS)}")
+        _check(not self.te_ports or port_range(self.te_ports), "transport.te_ports",
+               f"must be \"LOW-HIGH\" with 1024 <= LOW < HIGH <= 32767, got {self.te_ports!r}")
         _check(self.host not in ("0.0.0.0", "*", "::"), "transport.host",
                "is what peers are told, so it must be this host's reachable address, not a wildcard")
         _check(self.shm_segment_bytes > 0, "transport.shm_segment_bytes", "must be > 0")

@@ -34,3 +34,12 @@ def mooncake_te_dir() -> Path:
     import sys
     configured = os.environ.get("MOONCAKE_TE_DIR")
     return Path(configured).expanduser() if configured else Path(sys.prefix) / "mooncake-te"
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo); empty where they cannot be read (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()

@@ -9,6 +9,7 @@ a private name."""
 
 import importlib.util
 import logging
+import os
 import sys
 import types
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from backends.transports.staged import StagedTransport
+from mooncake.addresses import port_range
 from mooncake.env import mooncake_te_dir
 from mooncake.errors import BackendError, ConfigError
 
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = ("run `make mooncake-te` (Debian packages libibverbs1 ibverbs-providers, then pip install "
                 "--no-deps --target <venv>/mooncake-te mooncake-transfer-engine-non-cuda==0.3.13.post1)")
 _MODULE = "_mooncake_transfer_engine"
+DEFAULT_PORTS = (15000, 17000)  # the Transfer Engine's own default range
 
 
 def load_transfer_engine():
@@ -79,16 +82,24 @@ class MooncakeTransport(StagedTransport):
 
     def __init__(self, tamper=None, host: str = "127.0.0.1", protocol: str = "tcp",
                  staging_bytes: int = 256 << 20, rdma_devices: tuple[str, ...] = (),
-                 metadata_server: str = "P2PHANDSHAKE"):
+                 metadata_server: str = "P2PHANDSHAKE", te_ports: str = ""):
         if protocol == "rdma":
             check_rdma_devices(rdma_devices)
+        ports = port_range(te_ports) or DEFAULT_PORTS
+        # NOTE: the Transfer Engine reads its port range from the environment once, when it is loaded
+        os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = str(ports[0]), str(ports[1])
         engine = load_transfer_engine()
         super().__init__(tamper=tamper, host=host)
         self.engine = engine.TransferEngine()
         if self.engine.initialize(host, metadata_server, protocol, ",".join(rdma_devices)) != 0:
             raise BackendError(f"transport 'mooncake': Transfer Engine failed to start ({protocol} on {host}, "
-                               f"metadata {metadata_server})")
+                               f"metadata {metadata_server}, ports {ports[0]}-{ports[1]} (transport.te_ports): "
+                               f"two free ones are needed per endpoint)")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
+        # NOTE: it binds every interface whatever `host` is (it has no setting for that): say so, with the ports
+        log.info("mooncake transport: the Transfer Engine listens on every interface, not only %s: its handshake "
+                 "port %d and a data port in %d-%d (transport.te_ports; firewall them from outside the cluster)",
+                 host, self.engine.get_rpc_port(), ports[0], ports[1])
         buffer = np.zeros(staging_bytes, dtype=np.uint8)
         if self.engine.register_memory(buffer.ctypes.data, staging_bytes) != 0:
             raise BackendError("transport 'mooncake': cannot register the staging buffer")
@@ -97,7 +108,7 @@ class MooncakeTransport(StagedTransport):
     @classmethod
     def from_config(cls, config, host):
         return cls(host=host, protocol=config.protocol, rdma_devices=config.rdma_devices,
-                   metadata_server=config.metadata_server)
+                   metadata_server=config.metadata_server, te_ports=config.te_ports)
 
     def _locator(self):
         return {"session": self.session}
