@@ -58,6 +58,10 @@ _keys: ClusterKeys | None = None
 _keys_dir = ""
 _other_pairs: dict[str, ClusterKeys] = {}  # roles this process also serves as (tests, tools)
 _mac_key: bytes | None = None  # seals transport messages (below); derived from the data secret
+# What KV payloads' MACs are keyed with (mooncake/kv_mac.py); derived from the data secret, or this fixed
+# key without cluster keys (a check against accidents only)
+UNKEYED_KV_KEY = hashlib.blake2b(b"mooncake KV MAC without cluster keys", digest_size=16).digest()
+_kv_key = UNKEYED_KV_KEY
 # What a data socket's peer must present (ZeroMQ PLAIN, checked by ZAP before any frame of it is read);
 # derived from the data secret
 _data_password: bytes | None = None
@@ -123,10 +127,10 @@ def configure(config, role: str = "prefill") -> None:
     """Load this process's keys (`role`'s pair; a tool acts as an instance) from a MooncakeConfig's
     [security] table, or refuse to run without them on an address beyond loopback (unless
     security.insecure)."""
-    global _keys, _mac_key, _keys_dir, _data_password
+    global _keys, _mac_key, _keys_dir, _data_password, _kv_key
     sec = config.security
     _keys = load_keys(sec.keys_dir, role) if sec.keys_dir else None
-    _keys_dir, _mac_key, _data_password = sec.keys_dir, None, None
+    _keys_dir, _mac_key, _data_password, _kv_key = sec.keys_dir, None, None, UNKEYED_KV_KEY
     _other_pairs.clear()
     if _keys is not None and role in DATA_ROLES:
         data = Path(sec.keys_dir) / DATA_SECRET
@@ -135,6 +139,7 @@ def configure(config, role: str = "prefill") -> None:
         except OSError as exc:
             raise ConfigError(f"config key 'security.keys_dir': a {role} moves KV and needs {data} ({exc})") from None
         _mac_key = hashlib.blake2b(b"mooncake transport MAC", key=secret[:64], digest_size=32).digest()
+        _kv_key = hashlib.blake2b(b"mooncake KV MAC", key=secret[:64], digest_size=16).digest()
         _data_password = hashlib.blake2b(b"mooncake data plane password", key=secret[:64]).hexdigest().encode()
     if _keys is None:
         exposed = sorted(a for a in _addresses(config) if not is_loopback(a))
@@ -148,9 +153,15 @@ def configure(config, role: str = "prefill") -> None:
 
 def reset() -> None:
     """Forget the process's keys (tests)."""
-    global _keys, _mac_key, _data_password
+    global _keys, _mac_key, _data_password, _kv_key
     _keys = _mac_key = _data_password = None
+    _kv_key = UNKEYED_KV_KEY
     _other_pairs.clear()
+
+
+def kv_key() -> bytes:
+    """The key of KV payloads' MACs (mooncake/kv_mac.py)."""
+    return _kv_key
 
 
 def is_secured() -> bool:

@@ -3,20 +3,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncake.errors import KVPayloadError
-from mooncake.hashing import checksum
 from mooncake.kv_payload import KVPayload
 
 
 def payload(data=bytes(range(256)) * 4):
-    return KVPayload(block_hash=7, namespace=b"m/bs4", dtype="float32", shape=(2, 2, 4, 1, 8), layer=None,
-                     checksum=checksum(data), data=data)
+    return KVPayload.of(7, b"m/bs4", "float32", (2, 2, 4, 1, 8), None, data)
 
 
 def test_round_trip_through_bytes():
     p = payload()
     q = KVPayload.from_bytes(p.to_bytes())
-    assert (q.block_hash, q.namespace, q.dtype, q.shape, q.layer, q.checksum) == \
-           (p.block_hash, p.namespace, p.dtype, p.shape, p.layer, p.checksum)
+    assert (q.block_hash, q.namespace, q.dtype, q.shape, q.layer, q.mac) == \
+           (p.block_hash, p.namespace, p.dtype, p.shape, p.layer, p.mac)
     assert bytes(q.data) == p.data
     q.verify(namespace=b"m/bs4", dtype="float32", shape=(2, 2, 4, 1, 8))
 
@@ -24,7 +22,7 @@ def test_round_trip_through_bytes():
 def test_flipped_byte_is_detected():
     wire = bytearray(payload().to_bytes())
     wire[-10] ^= 0x01
-    with pytest.raises(KVPayloadError, match="checksum"):
+    with pytest.raises(KVPayloadError, match="fail their MAC"):
         KVPayload.from_bytes(bytes(wire)).verify()
 
 
@@ -58,7 +56,7 @@ def test_any_flipped_bit_anywhere_is_caught_by_the_consumer(position, bit):
 
 
 def test_a_flipped_header_field_is_caught_though_the_bytes_match():
-    """The layer or the block hash are not covered by the bytes' checksum: the header's own hash is what
+    """The layer or the block hash are not covered by the bytes' MAC: the header's keyed digest is what
     catches a changed one."""
     wire = payload().to_bytes()
     at = wire.index(b"\xa4hash") + len(b"\xa4hash")  # msgpack: "hash" then the positive fixint 7

@@ -23,7 +23,8 @@ from mooncake.store.tier import StorageTier
 
 log = logging.getLogger(__name__)
 MAGIC = b"MCKV"
-VERSION = 3  # 2: the two-level checksum (mooncake/hashing.py); 3: the header's keyed MAC. Older files are dropped
+VERSION = 4  # 2: the two-level checksum (mooncake/hashing.py); 3: the header's keyed MAC; 4: payloads with a
+# keyed MAC of their bytes (kv_payload version 3). Older files are dropped
 HEADER = struct.Struct("<4sHQQQ")  # magic, version, key, data length, checksum of the data
 MAC = struct.Struct(f"<{security.MAC_BYTES}s")  # after the header: its MAC under the cluster key (zeros without)
 SUFFIX = ".blk"

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from mooncake.errors import KVPayloadError
-from mooncake.hashing import checksum
 from mooncake.kv_payload import KVPayload
 
 
@@ -99,7 +98,7 @@ class PagedKVCache:
     def export_blocks(self, blocks: list[tuple[int, int]], namespace: bytes, layer: int | None = None,
                       after=None, view: StageView | None = None) -> list[KVPayload]:
         """Payloads of (block, hash) pairs, all layers or `layer` only, copied to host memory (never an
-        alias of the live cache), a checksum each. Safe on any thread while no step writes these blocks.
+        alias of the live cache), a MAC each. Safe on any thread while no step writes these blocks.
         On CUDA the copy waits for `after` (`mark_written`), or with none for all work queued on the
         device's default stream so far. With `view`, the blocks are that stage view's, and `layer` one of
         its layers."""
@@ -107,8 +106,8 @@ class PagedKVCache:
             return []
         shape = self.block_shape(layer)
         hosts = self._to_host([block for block, _ in blocks], layer, after, view)
-        return [KVPayload(block_hash=block_hash, namespace=namespace, dtype=self.dtype_name, shape=shape,
-                          layer=layer, checksum=checksum(raw), data=raw) for raw, (_, block_hash) in zip(hosts, blocks)]
+        return [KVPayload.of(block_hash, namespace, self.dtype_name, shape, layer, raw)
+                for raw, (_, block_hash) in zip(hosts, blocks)]
 
     def _to_host(self, blocks: list[int], layer: int | None, after, view: StageView | None) -> list[memoryview]:
         if self.kv.device.type != "cuda":

@@ -26,17 +26,17 @@ from dataclasses import dataclass
 
 import msgpack
 import torch
-import xxhash
 
 from mooncake.engine.runner import ForwardBatch, PrefillSpan
 from mooncake.engine.sampler import logprobs_of, sample
 from mooncake.engine.sequence import Sequence
 from mooncake.errors import InvalidRequestError, KVPayloadError
 from mooncake.hashing import hash_blocks
+from mooncake.kv_mac import data_mac, data_mac_ok, header_digest
 from mooncake.kv_payload import KVPayload
 from mooncake.sampling import SamplingParams, TokenLogprob
 
-_PREFIX = struct.Struct("<IQ")  # header length, xxh3-64 of the header (as KV payloads, kv_payload.py)
+_PREFIX = struct.Struct("<IQ")  # header length, keyed digest of the header (as KV payloads, kv_payload.py)
 
 
 def reusable_blocks(num_tokens: int, block_size: int) -> int:
@@ -54,13 +54,13 @@ def stage_layers(num_layers: int, stages: int) -> list[range]:
 
 
 def encode_hidden(hidden: torch.Tensor) -> bytes:
-    """Hidden states as they cross a stage boundary: u32 header length || u64 xxh3 of the header ||
-    msgpack header (dtype, shape, xxh3 of the data) || raw bytes."""
+    """Hidden states as they cross a stage boundary: u32 header length || u64 keyed digest of the header ||
+    msgpack header (dtype, shape, MAC of the data) || raw bytes (mooncake/kv_mac.py, as KV payloads)."""
     host = hidden.detach().to("cpu").contiguous()
     raw = host.view(torch.uint8).numpy().tobytes() if host.numel() else b""
     header = msgpack.packb({"dtype": str(host.dtype).removeprefix("torch."), "shape": list(host.shape),
-                            "checksum": xxhash.xxh3_64_intdigest(raw)})
-    return b"".join((_PREFIX.pack(len(header), xxhash.xxh3_64_intdigest(header)), header, raw))
+                            "mac": data_mac(raw)})
+    return b"".join((_PREFIX.pack(len(header), header_digest(header)), header, raw))
 
 
 def decode_hidden(buf: bytes | memoryview, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -70,12 +70,12 @@ def decode_hidden(buf: bytes | memoryview, device: torch.device | str = "cpu") -
     try:
         length, header_sum = _PREFIX.unpack_from(view)
         header_bytes = bytes(view[_PREFIX.size:_PREFIX.size + length])
-        if xxhash.xxh3_64_intdigest(header_bytes) != header_sum:
-            raise KVPayloadError("hidden states: header checksum mismatch")
+        if header_digest(header_bytes) != header_sum:
+            raise KVPayloadError("hidden states: the header fails its check (corrupted or forged)")
         header = msgpack.unpackb(header_bytes)
         raw = view[_PREFIX.size + length:]
-        if xxhash.xxh3_64_intdigest(raw) != header["checksum"]:
-            raise KVPayloadError("hidden states: data checksum mismatch")
+        if not data_mac_ok(raw, header["mac"]):
+            raise KVPayloadError("hidden states: the bytes fail their MAC (corrupted or forged)")
         dtype = getattr(torch, header["dtype"])
         flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
         host = flat.view(dtype).reshape(header["shape"])

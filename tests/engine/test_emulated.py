@@ -11,7 +11,7 @@ import pytest
 from mooncake.config import EngineConfig, SimConfig
 from mooncake.cost import CostModel
 from mooncake.engine import LLMEngine, SamplingParams
-from mooncake.hashing import checksum
+from mooncake.kv_mac import data_mac
 from mooncake.models.catalog import CATALOG
 
 NAME = "emulated-llama3-70b"
@@ -78,10 +78,10 @@ def test_a_kv_hand_off_keeps_the_stream_and_other_kv_changes_it(cfg):
     handed, _ = run(decode, ids, kv_payloads=payloads)
     assert handed.num_cached_tokens == 96 and handed.token_ids == reference
 
-    # The same blocks with other (well-formed, checksummed) bytes: the digest of the cache changes the stream.
+    # The same blocks with other (well-formed, MACed) bytes: the digest of the cache changes the stream.
     data = np.frombuffer(bytes(payloads[2].data), dtype=np.float32).copy()
     data[0] = (data[0] + 1) % 251
-    forged = dataclasses.replace(payloads[2], data=data.tobytes(), checksum=checksum(data.tobytes()))
+    forged = dataclasses.replace(payloads[2], data=data.tobytes(), mac=data_mac(data.tobytes()))
     changed, _ = run(LLMEngine(cfg), ids, kv_payloads=payloads[:2] + [forged] + payloads[3:])
     assert changed.num_cached_tokens == 96 and changed.token_ids != reference
 

@@ -157,7 +157,7 @@ def test_a_stage_refuses_a_prefix_that_is_not_the_prompts(cfg, single):
     flipped = bytearray(blocks[0].to_bytes())
     flipped[-1] ^= 0x01
     corrupt = type(blocks[0]).from_bytes(bytes(flipped))
-    with pytest.raises(KVPayloadError, match="checksum"):
+    with pytest.raises(KVPayloadError, match="fail their MAC"):
         stage.begin("r1", ids, [corrupt])
     with pytest.raises(InvalidRequestError, match="at most 1 blocks"):
         stage.begin("r1", ids[:32], blocks)  # 32 tokens: the second block holds the last token

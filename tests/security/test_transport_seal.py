@@ -18,6 +18,7 @@ import zmq.asyncio
 import backends.transports.tcp as tcp
 from mooncake import security
 from mooncake.config import load_config
+from mooncake.errors import KVPayloadError
 from mooncake.hashing import checksum
 from mooncake.kv_payload import KVPayload
 from mooncake.registry import load_backend
@@ -35,8 +36,7 @@ def keyed(tmp_path):
 
 
 def _payload(block_hash: int, data: bytes) -> bytes:
-    return KVPayload(block_hash=block_hash, namespace=b"m", dtype="uint8", shape=(len(data),), layer=None,
-                     checksum=checksum(data), data=data).to_bytes()
+    return KVPayload.of(block_hash, b"m", "uint8", (len(data),), None, data).to_bytes()
 
 
 async def unanswered(address: str, frames: list[bytes]) -> bool:
@@ -181,3 +181,22 @@ def test_a_message_captured_before_its_receiver_restarted_is_refused_after(name,
             await client.stop()
             await server.stop()
     asyncio.run(run())
+
+
+def test_kv_bytes_or_a_payload_made_without_the_cluster_key_fail_their_consumers_check(keyed, tmp_path):
+    """Every KV byte is under the cluster's key wherever it comes from (a transport, the pool, SSD): other
+    bytes under a genuine payload's header fail its MAC, and a payload made without the key (as an
+    attacker can make one as self-consistent as a real one) fails its header's keyed digest."""
+    data = random.Random(1).randbytes(4096)
+    genuine = KVPayload.of(1, b"m", "uint8", (len(data),), None, data).to_bytes()
+    KVPayload.from_bytes(genuine).verify(namespace=b"m")
+    forged = genuine[:-len(data)] + random.Random(2).randbytes(len(data))
+    with pytest.raises(KVPayloadError, match="fail their MAC"):
+        KVPayload.from_bytes(forged).verify(namespace=b"m")
+    security.generate_keys(tmp_path / "other")  # another cluster's key, or none at all: the same to us
+    for keys in (str(tmp_path / "other"), ""):
+        security.configure(load_config(None, {"security.keys_dir": keys}))
+        outsider = KVPayload.of(1, b"m", "uint8", (len(data),), None, data).to_bytes()
+        security.configure(load_config(None, {"security.keys_dir": str(tmp_path / "keys")}))
+        with pytest.raises(KVPayloadError, match="header fails its check"):
+            KVPayload.from_bytes(outsider)

@@ -55,8 +55,7 @@ def test_a_kv_payload_crosses_the_pool_unhashed_and_its_consumer_catches_corrupt
         store, server, client, address = await serve(name, shared)
         try:
             data = os.urandom(1 << 20)
-            wire = KVPayload(block_hash=7, namespace=b"m", dtype="uint8", shape=(len(data),), layer=None,
-                             checksum=checksum(data), data=data).to_bytes()
+            wire = KVPayload.of(7, b"m", "uint8", (len(data),), None, data).to_bytes()
             hashed = []
             real = hashing._xxh3
             monkeypatch.setattr(hashing, "_xxh3", lambda buf: hashed.append(len(buf)) or real(buf))
@@ -70,7 +69,7 @@ def test_a_kv_payload_crosses_the_pool_unhashed_and_its_consumer_catches_corrupt
             np.frombuffer(lease.data, dtype=np.uint8)[len(wire) - 100] ^= 0xFF  # corrupted where it sits
             bad = await client.fetch(address, [7], timeout_s=10)
             assert bad.ok  # no transport check on the way out either...
-            with pytest.raises(KVPayloadError, match="checksum"):  # ...the consumer's catches it
+            with pytest.raises(KVPayloadError, match="fail their MAC"):  # ...the consumer's catches it
                 KVPayload.from_bytes(bad.blocks[0].data).verify(namespace=b"m")
         finally:
             await client.stop()

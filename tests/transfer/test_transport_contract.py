@@ -139,8 +139,7 @@ def test_a_self_checked_block_is_neither_hashed_nor_verified_in_transit(name, mo
 
 
 def kv_payload(block_hash: int, data: bytes) -> bytes:
-    return KVPayload(block_hash=block_hash, namespace=b"m", dtype="uint8", shape=(len(data),), layer=None,
-                     checksum=checksum(data), data=data).to_bytes()
+    return KVPayload.of(block_hash, b"m", "uint8", (len(data),), None, data).to_bytes()
 
 
 @pytest.mark.parametrize("name", BACKENDS)
