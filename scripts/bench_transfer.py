@@ -20,12 +20,15 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import msgpack
 import numpy as np
+import xxhash
 import zmq
 import zmq.asyncio
 
@@ -35,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from mooncake import security  # noqa: E402
 from mooncake.config import CacheClientConfig, load_config  # noqa: E402
 from mooncake.hashing import checksum  # noqa: E402
-from mooncake.kv_payload import bound_digest  # noqa: E402
+from mooncake.kv_payload import KVPayload, bound_digest  # noqa: E402
 from mooncake.transfer.contract import BlockLocation, BlockService  # noqa: E402
 from mooncake.registry import load_backend  # noqa: E402
 from mooncake.runtime import tune_allocator  # noqa: E402
@@ -44,6 +47,25 @@ from scripts.transfer_report import report, report_netns, write_json  # noqa: E4
 MiB = 1 << 20
 # SmolLM2-135M: 30 layers x (K, V) x 64 tokens x 3 KV heads x 64 dims x 4 bytes (float32)
 MODEL_BLOCK = 30 * 2 * 64 * 3 * 64 * 4
+
+
+KEYED, XXH3 = 1 << 62, 1 << 61  # key bits of the kv rows' blocks: checked with their MAC / as before it
+
+
+def xxh3_payload(data) -> bytes:
+    """A KV payload as it was before its keyed MAC (kv_payload version 2): the data's xxh3 checksum in a
+    header hashed with xxh3; what the kv_xxh3 rows cost, beside the keyed kv rows, in the same run."""
+    header = msgpack.packb({"v": 2, "hash": 1, "ns": b"m", "dtype": "uint8", "shape": [len(data)], "layer": None,
+                            "checksum": checksum(data), "nbytes": len(data)})
+    return b"".join((struct.pack("<IQ", len(header), xxhash.xxh3_64_intdigest(header)), header, data))
+
+
+def xxh3_check(buf) -> None:
+    view = memoryview(buf)
+    length, digest = struct.unpack_from("<IQ", view)
+    header_bytes = view[12:12 + length]
+    assert xxhash.xxh3_64_intdigest(header_bytes) == digest
+    assert checksum(view[12 + length:]) == msgpack.unpackb(header_bytes)["checksum"]
 
 
 class Sink(BlockService):
@@ -60,6 +82,10 @@ class Sink(BlockService):
         self.blocks, self.sums = {}, {}
 
     def put_block(self, key, data, checksum=None):
+        if key & KEYED:  # the kv rows: the consumer's check, as decode's import makes it
+            KVPayload.from_bytes(data).verify(namespace=b"m")
+        elif key & XXH3:
+            xxh3_check(data)
         self.blocks[key], self.sums[key] = data, checksum
 
     def get_block(self, key):
@@ -224,13 +250,20 @@ async def bench_transport(name: str, address: str, size: int, budget: int, windo
     """send and fetch rates, one transfer at a time and with `window` in flight (a stream of blocks, as
     prefill pushes KV chunk after chunk: one side stages the next while the other verifies this one).
     `_own` rows: blocks that carry their own check (KV payloads: `self_checked`), which no transport
-    hashes; the others are hashed by sender and receiver, as any frame without a check of its own."""
+    hashes; the others are hashed by sender and receiver, as any frame without a check of its own. `kv`
+    rows: a KV payload made (its MAC computed) for each send and checked by the receiver as decode checks
+    one; `kv_xxh3` the same with the unkeyed xxh3 checks payloads had before (the baseline, same run)."""
     client = load_backend("transports", name)(host=host)
     await client.start()
     payload = np.random.default_rng(2).integers(0, 255, size, dtype=np.uint8).tobytes()
     n = iterations(size, budget)
     ops = {"send": lambda: client.send(address, [(size, payload)], timeout_s=30),
            "send_own": lambda: client.send(address, [(size, payload)], timeout_s=30, self_checked=True),
+           "send_kv": lambda: client.send(address, [(KEYED | size, KVPayload.of(1, b"m", "uint8", (size,), None,
+                                                                                payload).to_bytes())],
+                                          timeout_s=30, self_checked=True),
+           "send_kv_xxh3": lambda: client.send(address, [(XXH3 | size, xxh3_payload(payload))], timeout_s=30,
+                                               self_checked=True),
            "fetch": lambda: client.fetch(address, [size], timeout_s=30),
            "fetch_own": lambda: client.fetch(address, [size + 1], timeout_s=30)}
     rates = {}

@@ -70,6 +70,11 @@ def report_netns(table: dict[int, dict[str, float]], sizes: list[int], args) -> 
             for auth in ("off", "on"):
                 parts.append(f"{name} send {auth}/raw {ratio(f'{name}_send_auth_{auth}', 'raw_zmq_auth_off')} "
                              f"(x{w} {ratio(f'{name}_send_x{w}_auth_{auth}', f'raw_zmq_x{w}_auth_off')})")
+        for name in ("tcp", "mooncake"):
+            for auth in ("off", "on"):
+                one = ratio(f"{name}_send_kv_auth_{auth}", f"{name}_send_kv_xxh3_auth_{auth}")
+                many = ratio(f"{name}_send_kv_x{w}_auth_{auth}", f"{name}_send_kv_xxh3_x{w}_auth_{auth}")
+                parts.append(f"{name} kv keyed/xxh3 {auth} {one} (x{w} {many})")
         for name in ("raw_zmq", "tcp_send", "tcp_fetch", "mooncake_send", "mooncake_fetch"):
             many = f"raw_zmq_x{w}" if name == "raw_zmq" else f"{name}_x{w}"
             parts.append(f"{name} on/off {ratio(f'{name}_auth_on', f'{name}_auth_off')} "
