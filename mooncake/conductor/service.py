@@ -11,6 +11,7 @@ role "api": its legs are freed everywhere. The control socket is control.py's; t
 pool_watch.py's."""
 
 import asyncio
+import collections
 import logging
 import time
 
@@ -35,6 +36,7 @@ from mooncake.runtime import Supervisor
 from mooncake.sampling import SamplingParams, wire_sampling
 
 log = logging.getLogger(__name__)
+ENDED_KEPT = 65536  # legs over lately whose request record may still come (their owners)
 
 __all__ = ["Conductor"]
 
@@ -57,6 +59,8 @@ class Conductor:
                                     route=self._route, on_dead=self._on_dead, on_api=self._on_api,
                                     on_join=self._on_join, on_progress=self._on_progress)
         self.flights: dict[str, Flight] = {}  # by wire id
+        # Legs over (or refused) lately, by wire id: their owners, whose record of the request may come after
+        self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.model = None
         self.pool: PoolWatcher | None = None
         self.supervisor: Supervisor | None = None
@@ -144,6 +148,8 @@ class Conductor:
     async def _place(self, msg: m.Place, owner: str) -> None:
         """Place and admit a leg and send it to prefill; the API process hears where, or why not."""
         placed = await self._placement(msg, owner)
+        if placed.refusal:
+            self._ended(msg.request_id, owner)
         if not await self.control.send(owner, placed) and not placed.refusal:
             self._end_leg(self.flights.get(msg.request_id))  # NOTE: its owner is gone: nobody streams it
 
@@ -332,23 +338,34 @@ class Conductor:
             if msg.is_finished:
                 self._let_go(flight, flight.placement.decode_id, cancel=False)  # it freed the request
             self._end_leg(flight)
+        # NOTE: a request's record counts once, and only from the API process its leg was placed for
+        if not msg.outcome or self.ended.pop(msg.request_id, None) != owner:
+            if msg.outcome:
+                log.warning("ignored the record of request %s from %s: not a leg placed for it", msg.request_id,
+                            owner)
+            return
         if msg.migration:  # the request could not move (it is over: `outcome` says so)
             self.metrics.migrations.labels(msg.migration).inc()
-        if msg.outcome:
-            self.metrics.record_request(msg)
-            if msg.outcome == "ok":
-                within = msg.ttft_s <= self.cfg.ttft_slo_s and msg.slow_gap_s <= self.cfg.tbt_slo_s
-                self.metrics.slo.labels(str(within).lower()).inc()
+        self.metrics.record_request(msg)
+        if msg.outcome == "ok":
+            within = msg.ttft_s <= self.cfg.ttft_slo_s and msg.slow_gap_s <= self.cfg.tbt_slo_s
+            self.metrics.slo.labels(str(within).lower()).inc()
 
     def _end_leg(self, flight: Flight | None) -> None:
         """Forget the leg and tell whoever still holds it to free it."""
         if flight is None or self.flights.get(flight.request_id) is not flight:
             return
         del self.flights[flight.request_id]
+        self._ended(flight.request_id, flight.owner)
         if (owner := self.registry.get(flight.owner)) is not None:
             owner.request_ids.discard(flight.request_id)
         for instance_id in list(flight.holders):
             self._let_go(flight, instance_id, cancel=True)
+
+    def _ended(self, request_id: str, owner: str) -> None:
+        self.ended[request_id] = owner
+        while len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
 
     def _hold(self, flight: Flight, instance_id: str) -> None:
         flight.holders.add(instance_id)

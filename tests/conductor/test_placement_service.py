@@ -6,6 +6,7 @@ the load view's progress."""
 
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -155,12 +156,22 @@ def test_a_lost_decode_instance_is_told_to_the_api_process_that_owns_its_legs(se
 
 def test_a_finished_requests_record_adds_to_the_conductors_histograms_as_if_it_had_seen_every_token(served):
     from mooncake.api.front_door import _bucketed
-    _, _, api = cluster(served)
+    prefill, decode, api = cluster(served)
+    other = dealer(served, "api-b", register(served, "api-b", "api"))
     gaps = [0.004, 0.02, 0.02, 0.3, 90.0]
+    record = m.LegEnded(request_id="r9", outcome="ok", num_completion_tokens=6, num_legs=1, ttft_s=0.5,
+                        predicted_ttft_s=0.25, gap_counts=_bucketed(gaps), gap_sum_s=sum(gaps),
+                        mean_gap_s=sum(gaps) / 5, slow_gap_s=90.0)
     try:
-        api.send(m.encode(m.LegEnded(request_id="r9", outcome="ok", num_completion_tokens=6, num_legs=1,
-                                     ttft_s=0.5, predicted_ttft_s=0.25, gap_counts=_bucketed(gaps),
-                                     gap_sum_s=sum(gaps), mean_gap_s=sum(gaps) / 5, slow_gap_s=90.0)))
+        assert not place(api, "r9").refusal
+        # NOTE: only the API process the leg was placed for may count its request, and once: not another
+        # (an api key's holder skewing /metrics), nor a leg no conductor placed
+        for sender, rid in ((other, "r9"), (api, "r10")):
+            sender.send(m.encode(msgspec.structs.replace(record, request_id=rid)))
+        time.sleep(0.5)
+        assert 'mooncake_requests_total{outcome="ok"}' not in served.conductor.metrics.exposition().decode()
+        api.send(m.encode(record))
+        api.send(m.encode(record))
         deadline = time.monotonic() + 5
         while 'mooncake_requests_total{outcome="ok"} 1.0' not in (text := served.conductor.metrics.exposition()
                                                                     .decode()):
@@ -174,5 +185,7 @@ def test_a_finished_requests_record_adds_to_the_conductors_histograms_as_if_it_h
         assert float(series['mooncake_tbt_seconds_sum']) == pytest.approx(sum(gaps))
         assert float(series['mooncake_ttft_prediction_ratio_bucket{le="0.5"}']) == 1  # 0.25 / 0.5
         assert float(series['mooncake_slo_requests_total{within_slo="false"}']) == 1  # a 90 s gap
+        time.sleep(0.3)  # the second copy of the record has come by now
+        assert 'mooncake_requests_total{outcome="ok"} 1.0' in served.conductor.metrics.exposition().decode()
     finally:
-        close(api)
+        close(prefill, decode, api, other)
