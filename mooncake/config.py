@@ -264,6 +264,7 @@ class ApiConfig:
     model_name: str = ""  # the name clients use in "model"; empty: engine.model
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 512  # chat requests that name no max_tokens (capped by the context left)
+    strict_fields: bool = True  # a request field this server does not know is a 400 naming it (false: ignored)
     # Host names a request may name when no key is set, beside loopback's and api.host (a web page the
     # user visits cannot then drive a keyless API through DNS rebinding)
     allowed_hosts: tuple[str, ...] = ()

@@ -47,9 +47,22 @@ class ModelLimits:
     max_model_len: int
     vocab_size: int
     default_max_tokens: int
+    strict_fields: bool = True  # api.strict_fields: a field this server does not know is a 400 naming it
 
 
 _MISSING = object()
+# The fields each endpoint knows. A field that changes what is generated and that this server does not do
+# is refused unless it has its neutral value (NEUTRAL, _refuse); `user` is an end-user id (no effect here).
+_COMMON = {"model", "n", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop",
+           "stop_token_ids", "ignore_eos", "logprobs", "return_token_ids", "cache_salt", "user", "best_of",
+           "presence_penalty", "frequency_penalty", "logit_bias"}
+COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "echo", "suffix"})
+CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                                   "tool_choice", "parallel_tool_calls"})
+NEUTRAL = {"min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,), "skip_special_tokens": (True,),
+           "spaces_between_special_tokens": (True,), "include_stop_str_in_output": (False,),
+           "reasoning_effort": (None,)}
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 
 
 def check_model(model: str, limits: ModelLimits) -> str:
@@ -98,9 +111,23 @@ def _field(body: dict, name: str, kinds, default=_MISSING, what: str = ""):
     return value
 
 
-def _refuse(body: dict, name: str, allowed) -> None:
+def _refuse(body: dict, name: str, allowed, where: str = "") -> None:
     if name in body and body[name] not in allowed:
-        raise bad(f"'{name}' = {body[name]!r} is not supported by this server", name, "unsupported_parameter")
+        raise bad(f"'{where}{name}' = {body[name]!r} is not supported by this server", where + name,
+                  "unsupported_parameter")
+
+
+def _known(body: dict, fields, strict: bool, where: str = "") -> None:
+    """A 400 naming the first field of `body` not in `fields` (with `strict`); at the top level (no `where`)
+    NEUTRAL ones are known, at their neutral value."""
+    neutral = {} if where else NEUTRAL
+    for name, allowed in neutral.items():
+        _refuse(body, name, allowed)
+    unknown = sorted(k for k in body if k not in fields and k not in neutral)
+    if unknown and strict:
+        raise bad(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(repr(where + k) for k in unknown)}: "
+                  f"this server does not support {'them' if len(unknown) > 1 else 'it'} (a server with "
+                  f"api.strict_fields = false ignores unknown fields)", where + unknown[0], "unsupported_parameter")
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -181,6 +208,8 @@ def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_k
                   f"{limits.max_model_len}; ask for at most {room}", "max_tokens", "context_length_exceeded")
     stream = _field(body, "stream", (bool,), False)
     options = _field(body, "stream_options", (dict,), {})
+    _refuse(options, "continuous_usage_stats", (False, None), "stream_options.")
+    _known(options, {"include_usage", "continuous_usage_stats"}, limits.strict_fields, "stream_options.")
     include_usage = _field(options, "include_usage", (bool,), False)
     try:
         params = SamplingParams(
@@ -208,6 +237,7 @@ def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_k
 def parse_completion(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    _known(body, COMPLETION_FIELDS, limits.strict_fields)
     prompt = _field(body, "prompt", (str, list))
     if isinstance(prompt, list):
         if len(prompt) == 1 and isinstance(prompt[0], str):
@@ -228,11 +258,18 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 def parse_chat(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    ids = chat_prompt_ids(body, tokenizer)
+    _known(body, CHAT_FIELDS, limits.strict_fields)
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise bad(f"'response_format' = {body['response_format']!r}: structured outputs are not supported by this "
+                  f"server yet (only {{\"type\": \"text\"}})", "response_format", "unsupported_parameter")
+    if body.get("tools"):
+        raise bad("'tools': tool calling is not supported by this server yet", "tools", "unsupported_parameter")
+    _refuse(body, "tool_choice", (None, "none", "auto"))  # NOTE: without tools both mean: no tool call
+    ids = chat_prompt_ids(body, tokenizer, limits.strict_fields)
     return _common(body, limits, ids, "max_completion_tokens", limits.default_max_tokens, _chat_logprobs(body))
 
 
-def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
+def chat_prompt_ids(body: dict, tokenizer, strict: bool = True) -> list[int]:
     """The token ids of a chat request's `messages`, through the model's chat template."""
     messages = _field(body, "messages", (list,))
     if not messages:
@@ -242,6 +279,10 @@ def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
             raise bad(f"'{where}' must be an object with 'role' and 'content'", where, "invalid_type")
+        _known(msg, MESSAGE_FIELDS, strict, where + ".")
+        if msg.get("tool_calls"):  # NOTE: the template would drop them: the model would not see its own calls
+            raise bad(f"'{where}.tool_calls': tool calling is not supported by this server yet", f"{where}.tool_calls",
+                      "unsupported_parameter")
         role = msg.get("role")
         if role not in ROLES:
             raise bad(f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")

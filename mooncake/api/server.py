@@ -55,7 +55,8 @@ class ApiServer:
     async def start(self) -> None:
         c = self.door
         self.limits = ModelLimits((self.model_name, c.model.model_id), c.max_model_len,
-                                  c.model.config.get("vocab_size", 0), self.cfg.default_max_tokens)
+                                  c.model.config.get("vocab_size", 0), self.cfg.default_max_tokens,
+                                  self.cfg.strict_fields)
         check_exposure(self.config)
         self.edge = Edge(self.cfg)
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors, self.edge.middleware])

@@ -123,6 +123,65 @@ def test_bad_requests_get_a_400_naming_the_field(served, path, body, param):
     assert reply["error"]["message"]
 
 
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", ok_body(foo_bar=1), "foo_bar"),
+    ("/v1/completions", ok_body(min_p=0.1), "min_p"),
+    ("/v1/completions", ok_body(repetition_penalty=1.2), "repetition_penalty"),
+    ("/v1/completions", ok_body(presence_penalty=0.5), "presence_penalty"),
+    ("/v1/completions", ok_body(frequency_penalty=0.5), "frequency_penalty"),
+    ("/v1/completions", ok_body(logit_bias={"5": 10}), "logit_bias"),
+    ("/v1/completions", ok_body(guided_json={"type": "object"}), "guided_json"),
+    ("/v1/completions", ok_body(stream=True, stream_options={"continuous_usage_stats": True}),
+     "stream_options.continuous_usage_stats"),
+    ("/v1/completions", ok_body(stream=True, stream_options={"include_usage": True, "bogus": 1}),
+     "stream_options.bogus"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "reasoning_effort": "high"}, "reasoning_effort"),
+    ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}]},
+     "messages[1].tool_calls"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi", "mood": "x"}]},
+     "messages[0].mood"),
+])
+def test_a_field_the_server_does_not_honour_is_a_400_naming_it(served, path, body, param):
+    """Refused, never silently ignored: options this server does not do (at any but their neutral value)
+    and fields it does not know."""
+    status, reply, _ = served.request(path, body)
+    assert status == 400, reply
+    assert reply["error"]["param"] == param and reply["error"]["code"] == "unsupported_parameter", reply
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", ok_body(min_p=0, repetition_penalty=1.0, presence_penalty=0, user="u-1",
+                                skip_special_tokens=True, stream=True, stream_options={"include_usage": True})),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "text"}, "tool_choice": "none",
+                              "parallel_tool_calls": False, "reasoning_effort": None}),
+])
+def test_neutral_values_of_options_the_server_does_not_do_are_taken(served, path, body):
+    status, reply, _ = served.request(path, body)
+    assert status == 503 and reply["error"]["code"] == "no_instance", reply  # parsed: no instance to run it
+
+
+def test_without_strict_fields_an_unknown_field_is_ignored(tiny_dir):
+    lenient = Served(**{"api.strict_fields": False})
+    try:
+        status, reply, _ = lenient.request("/v1/completions", ok_body(foo_bar=1))
+        assert status == 503 and reply["error"]["code"] == "no_instance", reply
+        status, reply, _ = lenient.request("/v1/completions", ok_body(min_p=0.5))  # known: still refused
+        assert status == 400 and reply["error"]["param"] == "min_p", reply
+    finally:
+        lenient.close()
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe"])
 def test_malformed_bodies_are_400(served, raw):
     status, reply, _ = served.request("/v1/completions", raw=raw)
