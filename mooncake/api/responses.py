@@ -1,15 +1,18 @@
 """OpenAI's response objects for completions and chat completions, whole and as stream chunks, for one
-or several choices (`n`), and their usage."""
+or several choices (`n`, and a batch of prompts), and their usage."""
 
 import codecs
 
 
-def usage(flights: list) -> dict:
-    """One prompt, counted once; the completion tokens of every choice."""
-    num_prompt = len(flights[0].prompt_token_ids)
+def usage(flights: list, n: int = 1) -> dict:
+    """Each prompt counted once (its `n` choices are consecutive flights); the completion tokens of every
+    choice."""
+    prompts = [flights[i:i + n] for i in range(0, len(flights), n)]
+    num_prompt = sum(len(choices[0].prompt_token_ids) for choices in prompts)
     completion = sum(f.num_completion_tokens for f in flights)
+    cached = sum(max(f.num_cached_tokens for f in choices) for choices in prompts)
     return {"prompt_tokens": num_prompt, "completion_tokens": completion, "total_tokens": num_prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": max(f.num_cached_tokens for f in flights)}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class Shape:

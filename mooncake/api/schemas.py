@@ -27,15 +27,20 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
 @dataclass(frozen=True)
 class ParsedRequest:
     model: str
-    prompt_token_ids: list[int]
+    prompts: list[list[int]]  # token ids of each prompt (completions take a batch of them; chat one)
     params: SamplingParams
     stream: bool
     include_usage: bool
-    n: int = 1  # choices: each its own request (with seed + i when a seed is given)
+    n: int = 1  # choices per prompt: each its own request (with seed + i when a seed is given)
     cache_salt: str = ""  # vLLM's: a prefix cache of its own, shared only with requests of the same salt
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n  # prompt j's choice i has index j * n + i
 
 
 MAX_CHOICES = 16  # `n` at most
+MAX_BATCH_CHOICES = 256  # prompts times `n`, at most
 MAX_CACHE_SALT_CHARS = 256
 
 
@@ -180,18 +185,21 @@ def _chat_logprobs(body: dict) -> int | None:
     return 0 if body.get("top_logprobs") is None else _logprobs_count(body, "top_logprobs")
 
 
-def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_key: str,
+def _common(body: dict, limits: ModelLimits, prompts: list[list[int]], max_tokens_key: str,
             default_max_tokens: int, logprobs: int | None) -> ParsedRequest:
     model = check_model(_field(body, "model", (str,)), limits)
     n = _field(body, "n", (int,), 1)
     if not 1 <= n <= MAX_CHOICES:
         raise bad(f"'n' must be between 1 and {MAX_CHOICES}, got {n}", "n", "invalid_value")
+    if len(prompts) * n > MAX_BATCH_CHOICES:
+        raise bad(f"{len(prompts)} prompts with n = {n} make {len(prompts) * n} choices; at most "
+                  f"{MAX_BATCH_CHOICES} in one request", "prompt", "invalid_value")
     for name, allowed in (("best_of", (1, n)), ("echo", (False,)), ("presence_penalty", (0, 0.0)),
                           ("frequency_penalty", (0, 0.0)), ("logit_bias", (None, {})), ("suffix", (None,))):
         _refuse(body, name, allowed)
-    num_prompt = len(prompt_ids)
-    if num_prompt == 0:
+    if not all(prompts):
         raise bad("the prompt is empty", "prompt")
+    num_prompt = max(len(p) for p in prompts)  # NOTE: the longest prompt of a batch bounds every choice
     if num_prompt >= limits.max_model_len:
         raise bad(f"the prompt has {num_prompt} tokens; this model's context length is {limits.max_model_len}",
                   "messages" if max_tokens_key == "max_completion_tokens" else "prompt", "context_length_exceeded")
@@ -231,7 +239,7 @@ def _common(body: dict, limits: ModelLimits, prompt_ids: list[int], max_tokens_k
     cache_salt = _field(body, "cache_salt", (str,), "")
     if len(cache_salt) > MAX_CACHE_SALT_CHARS:
         raise bad(f"'cache_salt' must be at most {MAX_CACHE_SALT_CHARS} characters", "cache_salt", "invalid_value")
-    return ParsedRequest(model, prompt_ids, params, stream, include_usage, n, cache_salt)
+    return ParsedRequest(model, prompts, params, stream, include_usage, n, cache_salt)
 
 
 def parse_completion(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
@@ -239,17 +247,20 @@ def parse_completion(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
         raise bad("the request body must be a JSON object")
     _known(body, COMPLETION_FIELDS, limits.strict_fields)
     prompt = _field(body, "prompt", (str, list))
-    if isinstance(prompt, list):
-        if len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if any(not 0 <= t < limits.vocab_size for t in prompt):
-                raise bad(f"prompt token ids must be in [0, {limits.vocab_size})", "prompt", "invalid_value")
-        else:
-            raise bad("'prompt' must be a string, a list with one string, or a list of token ids "
-                      "(batches of prompts are not supported)", "prompt", "invalid_type")
-    ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
-    return _common(body, limits, ids, "max_tokens", 16, _completion_logprobs(body))
+    # a string, token ids, or a batch: a list of strings or of token-id lists (each prompt its own choices)
+    batch = [prompt] if isinstance(prompt, str) or prompt and all(_is_id(t) for t in prompt) else prompt
+    if not batch or not (all(isinstance(p, str) for p in batch) or
+                         all(isinstance(p, list) and all(_is_id(t) for t in p) for p in batch)):
+        raise bad("'prompt' must be a string, token ids, or a non-empty list of strings or one of token-id lists",
+                  "prompt", "invalid_type")
+    if any(not 0 <= t < limits.vocab_size for p in batch if isinstance(p, list) for t in p):
+        raise bad(f"prompt token ids must be in [0, {limits.vocab_size})", "prompt", "invalid_value")
+    prompts = [tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in batch]
+    return _common(body, limits, prompts, "max_tokens", 16, _completion_logprobs(body))
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -266,7 +277,7 @@ def parse_chat(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
         raise bad("'tools': tool calling is not supported by this server yet", "tools", "unsupported_parameter")
     _refuse(body, "tool_choice", (None, "none", "auto"))  # NOTE: without tools both mean: no tool call
     ids = chat_prompt_ids(body, tokenizer, limits.strict_fields)
-    return _common(body, limits, ids, "max_completion_tokens", limits.default_max_tokens, _chat_logprobs(body))
+    return _common(body, limits, [ids], "max_completion_tokens", limits.default_max_tokens, _chat_logprobs(body))
 
 
 def chat_prompt_ids(body: dict, tokenizer, strict: bool = True) -> list[int]:

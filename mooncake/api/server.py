@@ -179,8 +179,8 @@ class ApiServer:
         if tenant.cache_salt or parsed.cache_salt:  # NOTE: a key's salt first: no request names its way out of it
             salted = dataclasses.replace(parsed.params, prefix_root=salt_root(tenant.cache_salt, parsed.cache_salt))
             parsed = dataclasses.replace(parsed, params=salted)
-        tokens = parsed.n * (len(parsed.prompt_token_ids) + parsed.params.max_tokens)
-        with self.edge.admitted(tenant, parsed.n, tokens):
+        tokens = parsed.n * sum(len(p) + parsed.params.max_tokens for p in parsed.prompts)
+        with self.edge.admitted(tenant, parsed.num_choices, tokens):
             flights = await self._submit(parsed)
             try:
                 return await self._answer(request, body, parsed, flights, chat)
@@ -194,7 +194,7 @@ class ApiServer:
         shape = Shape(chat, response_id, int(time.time()), parsed.model, body.get("return_token_ids") is True,
                       self.door.tokenizer)
         if parsed.stream:
-            return await self._stream(request, flights, shape, parsed.include_usage)
+            return await self._stream(request, flights, shape, parsed.include_usage, parsed.n)
         asked = parsed.params.logprobs is not None
         outs = [("", [], None, [] if asked else None)] * len(flights)
 
@@ -207,18 +207,19 @@ class ApiServer:
         except RequestError as exc:
             raise ApiError(400 if exc.is_invalid else 500, str(exc), type_="invalid_request_error"
                            if exc.is_invalid else "server_error", code="request_failed") from None
-        return web.json_response(shape.whole(outs, usage(flights)))
+        return web.json_response(shape.whole(outs, usage(flights, parsed.n)))
 
     async def _submit(self, parsed) -> list:
-        """One request per choice (choice i samples with seed + i when a seed is given); if any is refused,
-        the others are let go and the refusal is the answer."""
+        """One request per choice, in choice order (prompt j's choice i, with seed + i when a seed is given);
+        if any is refused, the others are let go and the refusal is the answer."""
         flights = []
         try:
-            for i in range(parsed.n):
-                params = parsed.params
-                if i and params.seed is not None:
-                    params = dataclasses.replace(params, seed=params.seed + i)
-                flights.append(await self.door.submit(parsed.prompt_token_ids, params))
+            for prompt in parsed.prompts:
+                for i in range(parsed.n):
+                    params = parsed.params
+                    if i and params.seed is not None:
+                        params = dataclasses.replace(params, seed=params.seed + i)
+                    flights.append(await self.door.submit(prompt, params))
         except BaseException as exc:  # NOTE: any refusal or failure lets go of the choices already placed
             for flight in flights:
                 self.door.abandon(flight)
@@ -249,7 +250,7 @@ class ApiServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _stream(self, request, flights: list, shape: Shape, include_usage: bool):
+    async def _stream(self, request, flights: list, shape: Shape, include_usage: bool, n: int = 1):
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
 
@@ -262,7 +263,7 @@ class ApiServer:
                     await _send(response, shape.chunk(i, "", [], None, first=True))
             await self._relay(flights, send)
             if include_usage:
-                await _send(response, shape.usage_chunk(usage(flights)))
+                await _send(response, shape.usage_chunk(usage(flights, n)))
         except RequestError as exc:
             await _send(response, ApiError(500, str(exc), type_="server_error", code="request_failed").body())
         except ConnectionResetError:

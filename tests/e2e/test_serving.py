@@ -152,6 +152,31 @@ def test_n_choices_with_the_openai_client_whole_and_streamed(cluster):
     assert len(greedy.choices) == 2 and greedy.choices[0].message.content == greedy.choices[1].message.content
 
 
+def test_a_batch_of_prompts_gets_each_prompts_choices_in_order_whole_and_streamed(cluster):
+    """Completions take a list of prompts (strings or token-id lists, as lm-eval and the OpenAI API send
+    them): prompt j's choice i is choice j * n + i, each the same as the prompt asked alone."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    prompts = [f"{uuid.uuid4().hex} first: ", f"{uuid.uuid4().hex} a second, longer prompt: "]
+    greedy = dict(model="tiny", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **greedy) for p in prompts]
+    batch = client.completions.create(prompt=prompts, n=2, **greedy)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 20
+    as_ids = completion(cluster, [[5, 6, 7, 8], [9, 10, 11]], max_tokens=3, ignore_eos=True)
+    assert [c["index"] for c in as_ids["choices"]] == [0, 1] and as_ids["usage"]["prompt_tokens"] == 7
+    assert as_ids["choices"][1]["token_ids"] == completion(cluster, [9, 10, 11], max_tokens=3,
+                                                           ignore_eos=True)["choices"][0]["token_ids"]
+    texts, ends = {}, {}
+    for chunk in client.completions.create(prompt=prompts, n=2, stream=True, **greedy):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            ends[choice.index] = choice.finish_reason or ends.get(choice.index)
+    assert texts == {c.index: c.text for c in batch.choices} and set(ends.values()) == {"length"}
+
+
 def shown(raw: list[int] | None) -> str:
     """How a token's bytes are shown: as text, as `bytes:\\xNN...` when they split a UTF-8 character, as
     `token_id:N` for an id the tokenizer lacks (the tiny model's vocabulary is larger than its tokenizer's)."""
