@@ -107,8 +107,7 @@ class TransportConfig:
     rdma_devices: tuple[str, ...] = ()  # rdma: the NICs to use, e.g. ["mlx5_0"]; empty: every one found
     metadata_server: str = "P2PHANDSHAKE"  # the mooncake transport's Transfer Engine metadata; P2PHANDSHAKE: none
     shm_segment_bytes: int = 256 << 20  # the shm transport: each endpoint's shared-memory segment
-    te_ports: str = ""  # the mooncake transport: "LOW-HIGH", the ports its Transfer Engine listens on (two per
-    # endpoint, on every interface: it has no bind setting), so a firewall can name them; empty: 15000-17000
+    te_ports: str = ""  # "LOW-HIGH": the Transfer Engine's ports (it binds every interface); empty: 15000-17000
 
     def __post_init__(self):
         _check(self.protocol in PROTOCOLS, "transport.protocol", f"must be one of {', '.join(PROTOCOLS)}")
@@ -278,6 +277,7 @@ class ApiConfig:
     conductor_wait_s: float = 10.0  # a new request waits this long for an absent conductor, then gets 503
     reuse_port: bool = False  # SO_REUSEPORT: several API processes of this host listen on api.port together
     tokenizer_threads: int = 2  # threads that parse, template and tokenize requests, off the event loop
+    stream_interval: int = 1  # tokens per SSE event after the first (more: fewer writes, burstier streams)
 
     def __post_init__(self):
         _check(0 <= self.port < 65536, "api.port", "must be a TCP port (0 picks a free one)")
@@ -294,6 +294,7 @@ class ApiConfig:
         _check(self.max_connections > 0, "api.max_connections", "must be > 0")
         _check(self.conductor_wait_s > 0, "api.conductor_wait_s", "must be > 0")
         _check(self.tokenizer_threads > 0, "api.tokenizer_threads", "must be > 0")
+        _check(self.stream_interval > 0, "api.stream_interval", "must be > 0")
         _check(not self.report_address or "://" in self.report_address, "api.report_address",
                "must be a ZeroMQ address like tcp://198.18.0.10:0, or empty")
         _check(bool(self.tls_cert) == bool(self.tls_key), "api.tls_cert",

@@ -8,8 +8,10 @@ token and served the API).
 Each row: S concurrent streams of a --prompt-tokens prompt (new each time: no prefix reuse) and
 --output-tokens greedy tokens, through the REST API, --rounds times; each figure is the median over rounds.
 Per role, CPU seconds (utime + stime of its processes from /proc, over the load) per streamed token; the
-conductor's CPU per request; cluster tokens/s; TTFT p50. Prints a table and writes JSON (`--json`): `rows[]` with `tree`, `api`, `streams`, `tok_per_s`,
-`ttft_p50_s`, `cpu_us_per_token` ({role: us}), `conductor_ms_per_request`, and `goals`.
+conductor's CPU per request; cluster tokens/s; TTFT p50. `--stream-interval 1 4` adds rows of one API
+process sending 4 tokens per SSE event (api.stream_interval). Prints a table and writes JSON (`--json`):
+`rows[]` with `tree`, `api`, `stream_interval`, `streams`, `tok_per_s`, `ttft_p50_s`, `cpu_us_per_token`
+({role: us}), `conductor_ms_per_request`, and `goals`.
 
     python scripts/bench_frontdoor.py --baseline bfb26b5 --json /tmp/frontdoor.json"""
 
@@ -97,16 +99,21 @@ def drive(args) -> None:
                 args.speedup, "api.port": 0, "api.model_name": "bench", "conductor.admission": "accept-all",
                 "engine.kv_cache_bytes": 1 << 30, "engine.num_threads": 1}
     rows = []
-    for num_api in args.api:
+    # NOTE: api.stream_interval beyond 1 with one API process only (a tree before it has no such key)
+    runs = [(num_api, interval) for num_api in args.api for interval in args.stream_interval
+            if interval == 1 or num_api == 1]
+    for num_api, interval in runs:
         kwargs = {"num_api": num_api} if "num_api" in inspect.signature(DevCluster).parameters else {}
         if num_api > 1 and not kwargs:
             continue  # NOTE: a tree before the front door has one front door: its conductor
         workdir = Path(tempfile.mkdtemp(prefix="bench-frontdoor-"))
-        with DevCluster(load_config(None, settings), 1, 2, 0, workdir, log_to_files=True, **kwargs) as cluster:
+        config = load_config(None, {**settings, **({"api.stream_interval": interval} if interval > 1 else {})})
+        with DevCluster(config, 1, 2, 0, workdir, log_to_files=True, **kwargs) as cluster:
             load(cluster.url, 2, args)  # warm up
             for streams in args.streams:
                 rounds = [one_round(cluster, streams, args) for _ in range(args.rounds)]
-                rows.append({"tree": args.label, "api": num_api, "streams": streams, "rounds": args.rounds,
+                rows.append({"tree": args.label, "api": num_api, "stream_interval": interval, "streams": streams,
+                             "rounds": args.rounds,
                              **{key: statistics.median(r[key] for r in rounds)
                                 for key in ("tok_per_s", "ttft_p50_s", "conductor_ms_per_request")},
                              "cpu_us_per_token": {role: statistics.median(r["cpu_us_per_token"][role] for r in rounds)
@@ -115,13 +122,13 @@ def drive(args) -> None:
     Path(args.out).write_text(json.dumps(rows))
 
 
-def run_tree(tree: Path, label: str, args) -> list[dict]:
+def run_tree(tree: Path, label: str, args, intervals: list[int]) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--drive", "--tree", str(tree), "--label", label,
                "--out", out.name, "--speedup", str(args.speedup), "--prompt-tokens", str(args.prompt_tokens),
                "--output-tokens", str(args.output_tokens), "--rounds", str(args.rounds),
                "--streams", *map(str, args.streams),
-               "--api", *map(str, args.api)]
+               "--api", *map(str, args.api), "--stream-interval", *map(str, intervals)]
         env = {**os.environ, "PYTHONPATH": str(tree)}  # NOTE: the cluster's processes import that tree's mooncake
         subprocess.run(cmd, check=True, cwd=tree, env=env, timeout=3600)
         return json.loads(Path(out.name).read_text())
@@ -135,6 +142,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5, help="loads per row; each figure is their median")
+    parser.add_argument("--stream-interval", type=int, nargs="+", default=[1],
+                        help="api.stream_interval values to run (beyond 1: with one API process)")
     parser.add_argument("--baseline", metavar="REF", help="also run git revision REF (a temporary worktree)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)
@@ -151,15 +160,16 @@ def main() -> None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), args.baseline],
                            check=True)
             try:
-                rows += run_tree(tree, args.baseline, args)
+                rows += run_tree(tree, args.baseline, args, [1])
             finally:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
-    rows += run_tree(ROOT, "this", args)
-    print(f"\n{'tree':>8} {'api':>3} {'streams':>7} {'tok/s':>8} {'TTFT p50':>9} {'us/token: api':>14} "
+    rows += run_tree(ROOT, "this", args, args.stream_interval)
+    print(f"\n{'tree':>8} {'api':>3} {'every':>5} {'streams':>7} {'tok/s':>8} {'TTFT p50':>9} {'us/token: api':>14} "
           f"{'conductor':>9} {'decode':>7} {'conductor ms/req':>16}")
     for r in rows:
         cpu = r["cpu_us_per_token"]
-        print(f"{r['tree']:>8} {r['api']:>3} {r['streams']:>7} {r['tok_per_s']:>8.0f} {r['ttft_p50_s']:>9.3f} "
+        print(f"{r['tree']:>8} {r['api']:>3} {r.get('stream_interval', 1):>5} {r['streams']:>7} "
+              f"{r['tok_per_s']:>8.0f} {r['ttft_p50_s']:>9.3f} "
               f"{cpu.get('api', float('nan')):>14.1f} {cpu.get('conductor', 0):>9.1f} {cpu.get('decode', 0):>7.1f} "
               f"{r['conductor_ms_per_request']:>16.2f}")
     goals = goals_of(rows, args.baseline)
@@ -172,7 +182,8 @@ def main() -> None:
 
 
 def goals_of(rows: list[dict], baseline: str | None) -> dict:
-    this = [r for r in rows if r["tree"] == "this"]
+    every = [r for r in rows if r["tree"] == "this"]
+    this = [r for r in every if r.get("stream_interval", 1) == 1]
     base = {r["streams"]: r for r in rows if r["tree"] == baseline}
     goals = {"conductor_ms_per_request_max": max(r["conductor_ms_per_request"] for r in this),
              "conductor_us_per_token_max": max(r["cpu_us_per_token"].get("conductor", 0.0) for r in this)}
@@ -180,6 +191,10 @@ def goals_of(rows: list[dict], baseline: str | None) -> dict:
         goals["api_over_old_conductor_us_per_token"] = {
             r["streams"]: r["cpu_us_per_token"]["api"] / base[r["streams"]]["cpu_us_per_token"]["conductor"]
             for r in this if r["api"] == 1 and r["streams"] in base}
+        for interval in sorted({r["stream_interval"] for r in every} - {1}):
+            goals[f"api_over_old_conductor_us_per_token_stream_interval_{interval}"] = {
+                r["streams"]: r["cpu_us_per_token"]["api"] / base[r["streams"]]["cpu_us_per_token"]["conductor"]
+                for r in every if r["stream_interval"] == interval and r["streams"] in base}
     one = {r["streams"]: r for r in this if r["api"] == 1}
     goals["tok_per_s_api2_over_api1"] = {r["streams"]: r["tok_per_s"] / one[r["streams"]]["tok_per_s"]
                                          for r in this if r["api"] == 2 and r["streams"] in one}

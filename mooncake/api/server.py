@@ -24,6 +24,7 @@ from mooncake.api.edge import TENANT, Edge, check_exposure, limit_connections, r
 from mooncake.api.responses import Shape, usage
 from mooncake.api.schemas import (ApiError, ModelLimits, bad, check_model, parse_chat, parse_completion,
                                   parse_detokenize, parse_tokenize)
+from mooncake.api.flight import StreamEvent
 from mooncake.api.front_door import FrontDoor
 from mooncake.config import MooncakeConfig
 from mooncake.errors import MooncakeError, Rejected, RequestError, Unavailable
@@ -253,10 +254,25 @@ class ApiServer:
     async def _stream(self, request, flights: list, shape: Shape, include_usage: bool, n: int = 1):
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
+        held: dict[int, list] = {}  # per choice: events not sent yet (api.stream_interval), after its first
+        interval = self.cfg.stream_interval
 
         async def send(i, event):
+            if interval > 1:  # NOTE: a choice's first event and its last go at once, the rest by `interval`
+                if i in held:
+                    held[i].append(event)
+                    if event.finish_reason is None and sum(len(e.token_ids) for e in held[i]) < interval:
+                        return
+                    event = _merged(held[i])
+                held[i] = []
             await _send(response, shape.chunk(i, event.text, event.token_ids, event.finish_reason,
                                               logprobs=event.logprobs))
+
+        async def flush():  # what the choices were holding, before the stream ends otherwise
+            for i, events in list(held.items()):
+                if events:
+                    del held[i]
+                    await send(i, _merged(events))
         try:
             if shape.chat:
                 for i in range(len(flights)):
@@ -265,6 +281,7 @@ class ApiServer:
             if include_usage:
                 await _send(response, shape.usage_chunk(usage(flights, n)))
         except RequestError as exc:
+            await flush()
             await _send(response, ApiError(500, str(exc), type_="server_error", code="request_failed").body())
         except ConnectionResetError:
             log.info("client went away; request %s cancelled", ", ".join(f.request_id for f in flights))
@@ -287,6 +304,13 @@ class ApiServer:
         return response
 
 
+
+
+def _merged(events: list) -> StreamEvent:
+    """Consecutive events of one choice as one."""
+    logprobs = None if events[0].logprobs is None else [lp for e in events for lp in e.logprobs or ()]
+    return StreamEvent("".join(e.text for e in events), [t for e in events for t in e.token_ids],
+                       events[-1].finish_reason, logprobs)
 
 
 def _seconds(s: float) -> str:
