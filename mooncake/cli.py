@@ -11,7 +11,7 @@ import typer
 
 from mooncake.errors import MooncakeError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="mooncake: KVCache-centric disaggregated LLM serving.")
 model_app = typer.Typer(no_args_is_help=True, help="Fetch and list models.")
 app.add_typer(model_app, name="model")
@@ -184,7 +184,7 @@ app.add_typer(keys_app, name="keys")
 
 @keys_app.command("generate")
 def keys_generate(directory: Path = typer.Argument(..., help="Where to write the keys (created 0700).")):
-    """Make the cluster's keys in DIR: per role (conductor, cache, prefill, decode) a CURVE pair,
+    """Make the cluster's keys in DIR: per role (conductor, api, cache, prefill, decode) a CURVE pair,
     DIR/<role>.key (public) and DIR/<role>.key_secret (mode 0600), and DIR/data.secret (0600), the MAC
     secret of the KV data plane. Give every host the public keys, the secret of each role it runs, and, if
     it runs a cache, prefill or decode role, data.secret; set security.keys_dir to that directory. A

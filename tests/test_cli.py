@@ -70,6 +70,8 @@ def test_model_list_and_help():
     assert proc.returncode == 0 and "--speedup" in proc.stdout and "--dtype" in proc.stdout
     proc = mooncake("generate", "--help")
     assert proc.returncode == 0 and "--max-tokens" in proc.stdout
+    proc = mooncake("serve", "--help")  # config tables in brackets are shown, not taken for markup
+    assert proc.returncode == 0 and "[instance].conductor_address" in proc.stdout and "()" not in proc.stdout
 
 
 def test_simulate_reports_and_names_a_bad_trace_line(tmp_path):
