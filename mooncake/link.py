@@ -47,7 +47,11 @@ class ConductorLink:
         for address in self.address.split(","):
             self.sock.connect(address.strip())
         self._tasks = [self.supervisor.spawn(self._receive(), "the conductor link's receive loop"),
-                       self.supervisor.spawn(self._register_and_beat(), "the heartbeat")]
+                       self.supervisor.spawn(self._register_and_beat(), "the heartbeat"),
+                       asyncio.ensure_future(security.watch_handshakes(
+                           self.sock, f"{self.register_msg.instance_id}: the conductor at {self.address} did not "
+                           f"complete the CURVE handshake: this host's keys (security.keys_dir) are not that "
+                           f"conductor's cluster's (`mooncake keys generate` makes one set for every host)"))]
 
     async def stop(self) -> None:
         if self.registered.is_set():

@@ -21,12 +21,14 @@ import hmac
 import ipaddress
 import logging
 import os
+import time
 from pathlib import Path
 from typing import NamedTuple
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
 
 from mooncake.addresses import endpoint_host
 from mooncake.errors import ConfigError
@@ -258,6 +260,34 @@ class _Admitted:
 # NOTE: pyzmq's authenticator logs a PLAIN password at DEBUG: its lines go to a logger that never shows DEBUG.
 _zap_log = logging.getLogger(__name__ + ".zap")
 _zap_log.setLevel(logging.INFO)
+
+
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+async def watch_handshakes(sock, what: str, level: int = logging.ERROR, every_s: float = 30.0) -> None:
+    """Log `what` (at most once per `every_s`, with how many) whenever a CURVE handshake on `sock` (a
+    zmq.asyncio socket) fails: a peer, or this process, holds another cluster's keys. Without it a wrong key
+    pair looks like a peer that is not there. Returns when the socket closes; cancel it to stop sooner."""
+    if _keys is None:
+        return
+    monitor = sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_MONITOR_STOPPED)
+    last_s, count = float("-inf"), 0
+    try:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                return
+            count += 1
+            if time.monotonic() - last_s >= every_s:
+                log.log(level, "%s (%d failed handshake%s, the last with %s)", what, count, "s" if count > 1 else "",
+                        event["endpoint"].decode(errors="replace"))
+                last_s, count = time.monotonic(), 0
+    except zmq.ZMQError:  # the socket closed under it
+        return
+    finally:
+        monitor.close(linger=0)
 
 
 def _authenticator(ctx: zmq.Context) -> ThreadAuthenticator:

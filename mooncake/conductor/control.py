@@ -53,6 +53,7 @@ class ControlPlane:
         self.kv_dtype = ""
         self.ctx: zmq.asyncio.Context | None = None
         self.router = None
+        self._handshakes: asyncio.Future | None = None
 
     async def start(self, supervisor: Supervisor, model_id: str, block_size: int, kv_dtype: str) -> None:
         self.model_id, self.block_size, self.kv_dtype = model_id, block_size, kv_dtype
@@ -68,9 +69,15 @@ class ControlPlane:
                                 f"{self.cfg.control_address}: {exc}") from None
         supervisor.spawn(self._receive(), "the control-plane receive loop")
         supervisor.spawn(self._watch_liveness(), "the liveness watch")
+        self._handshakes = asyncio.ensure_future(security.watch_handshakes(
+            self.router, "a peer failed the CURVE handshake on the control socket: it holds another cluster's keys "
+            "(or none), so it cannot register", logging.WARNING))
 
     async def stop(self) -> None:
         if self.ctx is not None:
+            if self._handshakes is not None:  # NOTE: its monitor socket must close before the context ends
+                self._handshakes.cancel()
+                await asyncio.gather(self._handshakes, return_exceptions=True)
             self.router.close(linger=0)
             security.release(self.ctx)
             self.ctx.term()

@@ -167,3 +167,36 @@ def test_an_api_process_believes_a_report_only_over_the_key_of_the_role_that_hol
         for sock in socks:
             sock.close()
         served.close()
+
+
+def test_a_host_with_another_clusters_keys_is_told_so_and_so_is_the_conductor(tiny_dir, cluster_keys, tmp_path,
+                                                                                caplog):
+    """A wrong key pair must not look like a conductor that is not there: the link logs that its handshake
+    failed and why, and the conductor that a stranger's key cannot reach logs it too."""
+    import asyncio
+    import logging
+
+    from mooncake.link import ConductorLink
+    from mooncake.runtime import Supervisor
+    served = Served(**{"security.keys_dir": str(cluster_keys)})
+    other = security.generate_keys(tmp_path / "other")
+    caplog.set_level(logging.WARNING)
+    try:
+        security.configure(load_config(None, {"security.keys_dir": str(other)}))  # this "host": another set
+
+        async def try_to_join():
+            register = m.Register(instance_id="decode-z", role="decode", model_id="m", block_size=64,
+                                  kv_dtype="float32", transport="tcp", data_address="tcp://127.0.0.1:1")
+            link = ConductorLink(served.control, register, lambda: m.Heartbeat(instance_id="decode-z"),
+                                 lambda msg: asyncio.sleep(0), Supervisor("test"))
+            await link.start()
+            await asyncio.sleep(2.0)
+            assert not link.registered.is_set()
+            await link.stop()
+        asyncio.run(try_to_join())
+        said = [r.getMessage() for r in caplog.records]
+        assert any("did not complete the CURVE handshake" in line and "keys" in line for line in said), said
+        assert any("failed the CURVE handshake on the control socket" in line for line in said), said
+    finally:
+        security.configure(load_config(None, {"security.keys_dir": str(cluster_keys)}))
+        served.close()
