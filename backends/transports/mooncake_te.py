@@ -98,8 +98,9 @@ class MooncakeTransport(StagedTransport):
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         # NOTE: it binds every interface whatever `host` is (it has no setting for that): say so, with the ports
         log.info("mooncake transport: the Transfer Engine listens on every interface, not only %s: its handshake "
-                 "port %d and a data port in %d-%d (transport.te_ports; firewall them from outside the cluster)",
-                 host, self.engine.get_rpc_port(), ports[0], ports[1])
+                 "port %d and a data port in %d-%d (transport.te_ports; firewall them from outside the cluster). "
+                 "Its start-up lines 'No RDMA devices found' (protocol tcp) and 'Local segment descriptor not "
+                 "found' are expected", host, self.engine.get_rpc_port(), ports[0], ports[1])
         buffer = np.zeros(staging_bytes, dtype=np.uint8)
         if self.engine.register_memory(buffer.ctypes.data, staging_bytes) != 0:
             raise BackendError("transport 'mooncake': cannot register the staging buffer")
