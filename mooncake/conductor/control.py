@@ -189,6 +189,11 @@ class ControlPlane:
                       problem, self.model_id, self.block_size, self.kv_dtype)
             return m.RegisterReply(accepted=False, error=problem)
         old = self.registry.get(msg.instance_id)
+        if old is not None and old.is_alive and old.role != msg.role:
+            # NOTE: another role's key holder may not take over a live instance's id (and free its requests)
+            log.error("refused %s as a %s: that id is a live %s instance", msg.instance_id, msg.role, old.role)
+            return m.RegisterReply(accepted=False, error=f"{msg.instance_id!r} is the id of a live {old.role} "
+                                                         f"instance")
         if old is not None and old.is_alive and msg.role != "api":
             # NOTE: it restarted faster than the heartbeat timeout: what it held is gone with its process. (An
             # API process's id is new in every process: the same id registering again is the same process.)

@@ -103,6 +103,12 @@ def test_a_key_speaks_only_for_instances_of_its_own_role(tiny_dir, cluster_keys)
                 break
         assert isinstance(refused, m.ErrorReply) and "decode's" in refused.error, refused
         assert served.conductor.index.count("prefill-a") == 0  # nothing it said was believed
+        impostor.send(m.encode(m.Register(instance_id="prefill-a", role="decode", num_kv_blocks=64,  # nor take it over
+                                          model_id=served.conductor.model.model_id, block_size=64,
+                                          kv_dtype="float32", transport="tcp", data_address="tcp://127.0.0.1:1")))
+        taken = recv_kind(impostor, m.RegisterReply)
+        assert not taken.accepted and "live prefill instance" in taken.error, taken
+        assert served.conductor.registry.get("prefill-a").role == "prefill"
         impostor.close()
         own = connect("prefill", "prefill-a")  # the instance's own key still speaks for it
         snapshot(own, 1)
@@ -114,6 +120,15 @@ def test_a_key_speaks_only_for_instances_of_its_own_role(tiny_dir, cluster_keys)
         own.close()
     finally:
         served.close()
+
+
+def recv_kind(sock, kind, timeout_ms: int = 5000):
+    """The next message of `kind` on `sock` (skipping others), or None."""
+    while sock.poll(timeout_ms):
+        msg = m.decode(sock.recv())
+        if isinstance(msg, kind):
+            return msg
+    return None
 
 
 def test_an_api_process_believes_a_report_only_over_the_key_of_the_role_that_holds_the_leg(tiny_dir, cluster_keys):
