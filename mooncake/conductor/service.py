@@ -339,11 +339,12 @@ class Conductor:
                 self._let_go(flight, flight.placement.decode_id, cancel=False)  # it freed the request
             self._end_leg(flight)
         # NOTE: a request's record counts once, and only from the API process its leg was placed for
-        if not msg.outcome or self.ended.pop(msg.request_id, None) != owner:
+        if not msg.outcome or self.ended.get(msg.request_id) != owner:
             if msg.outcome:
                 log.warning("ignored the record of request %s from %s: not a leg placed for it", msg.request_id,
                             owner)
             return
+        del self.ended[msg.request_id]
         if msg.migration:  # the request could not move (it is over: `outcome` says so)
             self.metrics.migrations.labels(msg.migration).inc()
         self.metrics.record_request(msg)

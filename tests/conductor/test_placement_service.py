@@ -187,5 +187,14 @@ def test_a_finished_requests_record_adds_to_the_conductors_histograms_as_if_it_h
         assert float(series['mooncake_slo_requests_total{within_slo="false"}']) == 1  # a 90 s gap
         time.sleep(0.3)  # the second copy of the record has come by now
         assert 'mooncake_requests_total{outcome="ok"} 1.0' in served.conductor.metrics.exposition().decode()
+        # a leg that ended before its request's record came: another's record neither counts nor spoils it
+        assert not place(api, "r11").refusal
+        api.send(m.encode(m.LegEnded(request_id="r11")))
+        other.send(m.encode(msgspec.structs.replace(record, request_id="r11")))
+        api.send(m.encode(msgspec.structs.replace(record, request_id="r11")))
+        deadline = time.monotonic() + 5
+        while 'mooncake_requests_total{outcome="ok"} 2.0' not in served.conductor.metrics.exposition().decode():
+            assert time.monotonic() < deadline, "the owner's late record was not counted"
+            time.sleep(0.02)
     finally:
         close(prefill, decode, api, other)
