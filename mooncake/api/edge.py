@@ -147,6 +147,9 @@ class Edge:
                 raise bad(f"this request's {num_tokens} tokens (prompt + max_tokens, per choice) exceed key "
                           f"{tenant.name!r}'s max_outstanding_tokens = {limits.max_outstanding_tokens}",
                           "max_tokens", "key_tokens_limit")
+            if limits.max_concurrent_requests and num_requests > limits.max_concurrent_requests:  # never fits
+                raise bad(f"this request's {num_requests} choices (prompts times n) exceed key {tenant.name!r}'s "
+                          f"max_concurrent_requests = {limits.max_concurrent_requests}", "n", "key_requests_limit")
             if limits.max_concurrent_requests and tenant.num_requests + num_requests > limits.max_concurrent_requests:
                 raise _over(tenant, f"{tenant.num_requests} requests in flight, its limit is "
                                     f"{limits.max_concurrent_requests} (max_concurrent_requests)", "key_requests_limit")

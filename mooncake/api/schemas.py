@@ -85,7 +85,7 @@ def parse_tokenize(body, tokenizer, limits: ModelLimits) -> list[int]:
     if "model" in body:
         check_model(_field(body, "model", (str,)), limits)
     if "messages" in body:
-        return chat_prompt_ids(body, tokenizer)
+        return chat_prompt_ids(body, tokenizer, limits.strict_fields)
     prompt = _field(body, "prompt", (str,))
     add_special = _field(body, "add_special_tokens", (bool,), True)
     return tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
@@ -253,6 +253,9 @@ def parse_completion(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
                          all(isinstance(p, list) and all(_is_id(t) for t in p) for p in batch)):
         raise bad("'prompt' must be a string, token ids, or a non-empty list of strings or one of token-id lists",
                   "prompt", "invalid_type")
+    if len(batch) > MAX_BATCH_CHOICES:  # NOTE: before any of them is tokenized
+        raise bad(f"{len(batch)} prompts; at most {MAX_BATCH_CHOICES} choices in one request", "prompt",
+                  "invalid_value")
     if any(not 0 <= t < limits.vocab_size for p in batch if isinstance(p, list) for t in p):
         raise bad(f"prompt token ids must be in [0, {limits.vocab_size})", "prompt", "invalid_value")
     prompts = [tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in batch]

@@ -183,6 +183,9 @@ def test_each_key_has_its_own_limits(tiny_dir):
         assert "team-a" in reply["error"]["message"]
         status, reply, _ = s.request("/v1/completions", ok_body(max_tokens=200), a)
         assert status == 400 and reply["error"]["code"] == "key_tokens_limit"
+        # more choices than the key may ever run at once: no retry would help
+        status, reply, _ = s.request("/v1/completions", ok_body(max_tokens=4, prompt=["x", "y", "z"]), a)
+        assert status == 400 and reply["error"]["code"] == "key_requests_limit", reply
         # another key is not held back by team-a's load: its three choices are placed too
         held.append(threading.Thread(target=s.request, args=("/v1/completions", ok_body(max_tokens=4, n=3), b)))
         held[-1].start()
