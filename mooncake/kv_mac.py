@@ -26,6 +26,7 @@ _COUNTER_LIMIT = 1 << 32
 _lock = threading.Lock()
 _state = (os.urandom(_NONCE_PREFIX_BYTES), itertools.count())  # this process's nonce prefix, its counter
 _ciphers: dict[bytes, AESGCM] = {}
+_header_keys: dict[bytes, bytes] = {}
 
 
 def _renew_nonces() -> None:
@@ -69,5 +70,9 @@ def data_mac_ok(data, mac: bytes) -> bool:
 
 
 def header_digest(header: bytes) -> int:
-    """A keyed 64-bit digest of a small header."""
-    return int.from_bytes(hashlib.blake2b(header, key=security.kv_key(), digest_size=8).digest(), "little")
+    """A keyed 64-bit digest of a small header (under a key of its own, derived from the MAC's)."""
+    key = security.kv_key()
+    header_key = _header_keys.get(key)
+    if header_key is None:
+        header_key = _header_keys[key] = hashlib.blake2b(b"mooncake KV header digest", key=key).digest()
+    return int.from_bytes(hashlib.blake2b(header, key=header_key, digest_size=8).digest(), "little")
