@@ -19,16 +19,12 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import msgpack
 import numpy as np
-import xxhash
 import zmq
 import zmq.asyncio
 
@@ -37,35 +33,18 @@ sys.path.insert(0, str(ROOT))
 
 from mooncake import security  # noqa: E402
 from mooncake.config import CacheClientConfig, load_config  # noqa: E402
+from mooncake.dev import free_port  # noqa: E402
 from mooncake.hashing import checksum  # noqa: E402
 from mooncake.kv_payload import KVPayload, bound_digest  # noqa: E402
 from mooncake.transfer.contract import BlockLocation, BlockService  # noqa: E402
 from mooncake.registry import load_backend  # noqa: E402
 from mooncake.runtime import tune_allocator  # noqa: E402
+from scripts.kv_schemes import KEYED, XXH3, xxh3_check, xxh3_payload  # noqa: E402
 from scripts.transfer_report import report, report_netns, write_json  # noqa: E402
 
 MiB = 1 << 20
 # SmolLM2-135M: 30 layers x (K, V) x 64 tokens x 3 KV heads x 64 dims x 4 bytes (float32)
 MODEL_BLOCK = 30 * 2 * 64 * 3 * 64 * 4
-
-
-KEYED, XXH3 = 1 << 62, 1 << 61  # key bits of the kv rows' blocks: checked with their MAC / as before it
-
-
-def xxh3_payload(data) -> bytes:
-    """A KV payload as it was before its keyed MAC (kv_payload version 2): the data's xxh3 checksum in a
-    header hashed with xxh3; what the kv_xxh3 rows cost, beside the keyed kv rows, in the same run."""
-    header = msgpack.packb({"v": 2, "hash": 1, "ns": b"m", "dtype": "uint8", "shape": [len(data)], "layer": None,
-                            "checksum": checksum(data), "nbytes": len(data)})
-    return b"".join((struct.pack("<IQ", len(header), xxhash.xxh3_64_intdigest(header)), header, data))
-
-
-def xxh3_check(buf) -> None:
-    view = memoryview(buf)
-    length, digest = struct.unpack_from("<IQ", view)
-    header_bytes = view[12:12 + length]
-    assert xxhash.xxh3_64_intdigest(header_bytes) == digest
-    assert checksum(view[12 + length:]) == msgpack.unpackb(header_bytes)["checksum"]
 
 
 class Sink(BlockService):
@@ -289,12 +268,6 @@ async def timed(op, n: int, in_flight: int) -> float:
     t0 = time.perf_counter()
     await asyncio.gather(*(one() for _ in range(n)))
     return time.perf_counter() - t0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def bench_store(config_path: Path, control: str, sizes: list[int], budget: int) -> dict:
