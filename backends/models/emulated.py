@@ -4,13 +4,15 @@ simulator test routers at scale without GPUs).
 The engine, its scheduler, paged KV cache, prefix cache, batching, preemption, KV export and import run
 as they do for a real model. Only `forward` is replaced: it writes small, deterministic KV for the new
 tokens, picks each next token from the last token, its position and a digest of the sequence's KV as it
-lies in the cache (so a block lost or garbled on its way from prefill to decode changes the stream), and
+lies in the cache (so a block lost or garbled on its way from prefill to decode changes the stream), ends
+each answer with EOS at a length that is a function of the prompt (mooncake/answer_lengths.py: the
+simulator computes the same; a model without an output-length distribution never ends on its own), and
 tells the engine the time the cost model (`mooncake/cost.py`, the one the simulator charges) gives the
 step on the emulated hardware, divided by `engine.emulation_speedup`; the engine's step lasts that long.
 
 The model directory comes from a spec in configs/models/ (`mooncake model fetch emulated-llama3-70b`):
-its config.json holds the engine-facing shape (vocabulary, context, real KV dims) and the cost model as
-"emulation"."""
+its config.json holds the engine-facing shape (vocabulary, context, real KV dims), the cost model as
+"emulation" and the output-length distribution as "answers"."""
 
 import json
 from pathlib import Path
@@ -18,13 +20,12 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from mooncake.answer_lengths import ANSWER_ALPHABET, KV_MODULUS, AnswerLengths, kv_cells, mix
 from mooncake.cost import CostModel
 from mooncake.engine.kv_cache import KVSpec
 from mooncake.engine.runner import ForwardBatch, ModelRunner
 from mooncake.errors import ModelError
 
-ALPHABET = "etaoin shrdlucmfwypvbgkq"  # what emulated text is made of, so streams are readable
-KV_MODULUS = 251  # KV values are small integers: exact in every dtype, so digests never depend on it
 
 
 class EmulatedRunner(ModelRunner):
@@ -42,9 +43,14 @@ class EmulatedRunner(ModelRunner):
         self.vocab_size = config["vocab_size"]
         self.max_position_embeddings = config["max_position_embeddings"]
         self.eos_token_ids = (config["eos_token_id"],)
+        try:
+            self.answers = AnswerLengths(config["answers"]["quantiles"]) if "answers" in config else None
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ModelError(f"{path} answers: {exc}") from None
         self.kv_capacity_tokens = config.get("kv_capacity_tokens")
         tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-        self.alphabet = [tokenizer.encode(c, add_special_tokens=False).ids[0] for c in ALPHABET]
+        self.alphabet = [tokenizer.encode(c, add_special_tokens=False).ids[0] for c in ANSWER_ALPHABET]
+        self._alphabet = torch.tensor(self.alphabet, dtype=torch.long, device=device)
         self.last_modelled_s = 0.0  # the last step's modelled time, before the speedup
 
     @classmethod
@@ -88,8 +94,9 @@ class EmulatedRunner(ModelRunner):
     def forward_stage(self, batch: ForwardBatch, kv: torch.Tensor, layers: range,
                       hidden: torch.Tensor | None) -> torch.Tensor:
         """A CPP stage: its layers' KV, and the stage's share of the step's modelled time. The "hidden
-        state" handed on is each token's digest (int64 [num_tokens]), taken by the first stage from layer
-        0 as `forward` takes it, so the last stage picks the tokens `forward` would."""
+        state" handed on is each token's (digest, answer run, prompt key) (int64 [num_tokens, 3]), taken by
+        the first stage from layer 0 as `forward` takes them, so the last stage picks the tokens `forward`
+        would."""
         num_layers = self.kv_spec.num_layers
         if not (0 <= layers.start < layers.stop <= num_layers and layers.step == 1):
             raise ModelError(f"stage layers {layers.start}..{layers.stop - 1} are not a range of the model's "
@@ -102,55 +109,69 @@ class EmulatedRunner(ModelRunner):
         self.modelled_step_s = self.last_modelled_s / self.speedup
         self._write_kv(batch, kv, layers)
         if hidden is None:
-            hidden = torch.zeros(len(batch.input_ids), dtype=torch.int64, device=self.device)
+            hidden = torch.zeros(len(batch.input_ids), 3, dtype=torch.int64, device=self.device)
             hidden[batch.logits_indices] = torch.tensor(self._digests(batch, kv), dtype=torch.int64,
-                                                        device=self.device)
+                                                        device=self.device).reshape(-1, 3)
         if layers.stop < num_layers:
             return hidden
-        return self._logits(batch, kv, hidden[batch.logits_indices].tolist())
+        return self._logits(batch, kv, [tuple(row) for row in hidden[batch.logits_indices].tolist()])
 
     def _write_kv(self, batch: ForwardBatch, kv: torch.Tensor, layers: range | None = None) -> None:
-        """Each new token's KV: small integers from its id and position, different per layer and K|V. kv[i]
-        is layer layers.start + i (a stage's cache), default all layers."""
-        base = (batch.input_ids * 31 + batch.positions * 7) % KV_MODULUS
+        """Each new token's KV: small integers from its id and position, different per layer and K|V, but
+        layer 0's V, which is 1 for an answer token and 0 for any other (so the answer run can be read back
+        from the cache). kv[i] is layer layers.start + i (a stage's cache), default all layers."""
+        base = kv_cells(batch.input_ids, batch.positions)
         shape = (len(base), self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
         layers = layers or range(self.kv_spec.num_layers)
         for layer in layers:
             for which in (0, 1):
-                values = ((base + 2 * layer + which) % KV_MODULUS).to(kv.dtype)
+                if (layer, which) == (0, 1):
+                    values = torch.isin(batch.input_ids, self._alphabet).to(kv.dtype)
+                else:
+                    values = ((base + 2 * layer + which) % KV_MODULUS).to(kv.dtype)
                 kv[layer - layers.start, which].index_copy_(0, batch.slot_mapping, values[:, None, None].expand(shape))
 
-    def _digests(self, batch: ForwardBatch, kv: torch.Tensor) -> list[int]:
-        """Per token of the flat batch that is sampled: the sum of layer 0's K over its whole context, read
-        from the cache (integers, so exact)."""
-        cells = kv[0, 0, :, 0, 0]
+    def _digests(self, batch: ForwardBatch, kv: torch.Tensor) -> list[tuple[int, int, int]]:
+        """Per token of the flat batch that is sampled, read from the cache (integers, so exact): the sum of
+        layer 0's K over its whole context (the digest), the length of the context's trailing run of answer
+        tokens, and the sum of layer 0's K before that run (the prompt's key, mooncake/answer_lengths.py)."""
+        cells, marks = kv[0, 0, :, 0, 0], kv[0, 1, :, 0, 0]
         digests = {}
         for group in batch.decode_groups:
-            slots = group.context_slots
             lengths = batch.positions[group.start:group.stop] + 1
-            past = torch.arange(slots.shape[1], device=slots.device)[None, :] >= lengths[:, None]
-            sums = cells[slots].masked_fill_(past, 0).sum(dim=1, dtype=torch.int64).tolist()
-            digests.update(enumerate(sums, start=group.start))
+            rows = _answer_runs(cells[group.context_slots], marks[group.context_slots], lengths)
+            digests.update(enumerate(rows, start=group.start))
         for span in batch.prefills:
-            digests[span.start + span.num_tokens - 1] = int(cells[span.context_slots].to(torch.int64).sum())
+            slots = span.context_slots[None, :]
+            length = torch.tensor([slots.shape[1]], device=slots.device)
+            digests[span.start + span.num_tokens - 1] = _answer_runs(cells[slots], marks[slots], length)[0]
         return [digests[i] for i in batch.logits_indices.tolist()]
 
-    def _logits(self, batch: ForwardBatch, kv: torch.Tensor, digests: list[int] | None = None) -> torch.Tensor:
+    def _logits(self, batch: ForwardBatch, kv: torch.Tensor,
+                digests: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
         rows = batch.logits_indices.tolist()
         # NOTE: finite logits (log-probabilities go out as JSON); the alphabet alone is likely, its pick most.
         logits = torch.full((len(rows), self.vocab_size), -30.0, dtype=torch.float32, device=self.device)
         logits[:, self.alphabet] = 0.0
         tokens, positions = batch.input_ids.tolist(), batch.positions.tolist()
-        for row, (index, digest) in enumerate(zip(rows, self._digests(batch, kv) if digests is None else digests)):
-            pick = _mix(tokens[index], positions[index], digest) % len(self.alphabet)
+        eos = self.eos_token_ids[0]
+        for row, (index, (digest, run, key)) in enumerate(zip(rows, self._digests(batch, kv) if digests is None
+                                                               else digests)):
+            if self.answers is not None and run + 1 >= self.answers.total(key):
+                logits[row, eos] = 30.0  # the answer's last token: EOS, sampled or not
+                continue
+            pick = mix(tokens[index], positions[index], digest) % len(self.alphabet)
             logits[row, self.alphabet[pick]] = 4.0  # greedy takes it; sampling mostly (p ~ 0.7)
         return logits
 
 
-def _mix(*values: int) -> int:
-    """A small integer hash (splitmix64 steps): the same on every host and Python build."""
-    h = 0x9E3779B97F4A7C15
-    for value in values:
-        h = (h ^ (value & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h
+def _answer_runs(cells: torch.Tensor, marks: torch.Tensor, lengths: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(digest, answer run, prompt key) per row of contexts [rows, max_len] (layer 0's K and V per slot)
+    whose real lengths are `lengths`; what lies beyond a row's length is padding."""
+    index = torch.arange(cells.shape[1], device=cells.device)[None, :]
+    past = index >= lengths[:, None]
+    digest = cells.masked_fill(past, 0).sum(dim=1, dtype=torch.int64)
+    last_other = torch.where((marks == 0) & ~past, index, -1).max(dim=1).values  # -1: all answer tokens
+    run = lengths - 1 - last_other
+    key = cells.masked_fill(index > last_other[:, None], 0).sum(dim=1, dtype=torch.int64)
+    return list(zip(digest.tolist(), run.tolist(), key.tolist()))

@@ -33,18 +33,23 @@ def build_random_model(spec_path: Path, out: Path) -> None:
 
 
 def build_emulated_model(spec_path: Path, out: Path) -> None:
-    """config.json from the spec's [config], with its [cost] as "emulation" (checked here, read by the
-    runner), and the byte-level tokenizer."""
+    """config.json from the spec's [config], with its [cost] as "emulation" and its [answers] (optional:
+    the output-length distribution) as "answers" (both checked here, read by the runner), and the
+    byte-level tokenizer."""
+    from mooncake.answer_lengths import AnswerLengths
     from mooncake.cost import CostModel
 
     try:
         spec = tomllib.loads(Path(spec_path).read_text())
-        config, cost = dict(spec["config"]), spec["cost"]
-    except (OSError, tomllib.TOMLDecodeError, KeyError) as exc:
+        config, cost, answers = dict(spec["config"]), spec["cost"], spec.get("answers")
+        if answers is not None:
+            AnswerLengths(answers["quantiles"])
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ModelError(f"bad emulated-model spec {spec_path}: {exc}") from None
     CostModel.from_dict(cost, f"{spec_path} [cost]")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({**config, "emulation": cost}, indent=2))
+    extra = {"answers": answers} if answers is not None else {}
+    (out / "config.json").write_text(json.dumps({**config, "emulation": cost, **extra}, indent=2))
     _byte_tokenizer().save_pretrained(out)
     (out / "mooncake-emulated-model.json").write_text(json.dumps({"spec": Path(spec_path).name}))
 

@@ -8,6 +8,7 @@ import tomllib
 import numpy as np
 import pytest
 
+from mooncake.answer_lengths import ANSWER_ALPHABET, AnswerLengths, answer_token_ids
 from mooncake.config import EngineConfig, SimConfig
 from mooncake.cost import CostModel
 from mooncake.engine import LLMEngine, SamplingParams
@@ -84,6 +85,56 @@ def test_a_kv_hand_off_keeps_the_stream_and_other_kv_changes_it(cfg):
     forged = dataclasses.replace(payloads[2], data=data.tobytes(), mac=data_mac(data.tobytes()))
     changed, _ = run(LLMEngine(cfg), ids, kv_payloads=payloads[:2] + [forged] + payloads[3:])
     assert changed.num_cached_tokens == 96 and changed.token_ids != reference
+
+
+def short_answered_prompts(lengths: AnswerLengths, count: int, ends_in_answer_tokens: bool = False):
+    """Prompts (and their answer lengths) the model answers in 2-80 tokens: quick to run."""
+    found, answer_ids = [], answer_token_ids()
+    for i in range(10_000):
+        prompt = [(i * 37 + j * 11) % 240 + 10 for j in range(50 + i % 90)]
+        prompt += answer_ids[i % 5:i % 5 + 3] if ends_in_answer_tokens else [10]
+        if 2 <= (n := lengths.of_prompt(prompt, answer_ids)) <= 80:
+            found.append((prompt, n))
+        if len(found) == count:
+            return found
+    raise AssertionError("no prompt with a short answer")
+
+
+def test_answers_end_with_eos_at_the_length_the_simulator_computes(cfg):
+    engine = LLMEngine(cfg)
+    lengths = engine.runner.answers
+    assert lengths is not None and engine.runner.alphabet == answer_token_ids()
+    cases = short_answered_prompts(lengths, 3) + short_answered_prompts(lengths, 2, ends_in_answer_tokens=True)
+    outs = engine.generate([p for p, _ in cases], SamplingParams(max_tokens=3000, temperature=0.0))
+    assert [len(o.token_ids) for o in outs] == [n for _, n in cases]
+    assert {o.finish_reason for o in outs} == {"stop"}
+    assert all(set(engine.tokenizer.decode(o.token_ids, skip_special_tokens=True)) <= set(ANSWER_ALPHABET)
+               for o in outs)
+    # sampled, the tokens differ but the answer ends where it would greedily
+    sampled = engine.generate([cases[0][0]], SamplingParams(max_tokens=3000, temperature=1.0, seed=3))[0]
+    assert len(sampled.token_ids) == cases[0][1]
+    # A cap below the answer cuts it; ignore_eos writes on past its end.
+    prompt, n = cases[0]
+    assert engine.generate([prompt], SamplingParams(max_tokens=n - 1))[0].finish_reason == "length"
+    assert len(engine.generate([prompt], SamplingParams(max_tokens=n + 5, ignore_eos=True))[0].token_ids) == n + 5
+
+
+def test_an_answer_ends_at_the_same_length_after_a_kv_hand_off_or_a_recomputed_move(cfg):
+    prompt, n = short_answered_prompts(LLMEngine(cfg).runner.answers, 1)[0]
+    whole = run(LLMEngine(cfg), prompt, SamplingParams(max_tokens=3000))[0].token_ids
+    assert len(whole) == n
+    prefill = LLMEngine(cfg)
+    rid = prefill.add_request(prompt, SamplingParams(max_tokens=1), keep_kv=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    payloads = [type(p).from_bytes(p.to_bytes()) for p in prefill.export_kv(rid)]
+    first = prefill.pop_completion(rid).token_ids
+    # decode continues from the prompt and the first token, the prompt's full blocks imported
+    handed, _ = run(LLMEngine(cfg), prompt + first, SamplingParams(max_tokens=3000), kv_payloads=payloads)
+    assert first + handed.token_ids == whole and handed.num_cached_tokens > 0
+    # a request moved mid-answer is recomputed from its prompt and what it streamed: it ends where it would
+    moved, _ = run(LLMEngine(cfg), prompt + whole[:len(whole) // 2], SamplingParams(max_tokens=3000))
+    assert whole[:len(whole) // 2] + moved.token_ids == whole
 
 
 def test_moving_kv_costs_the_modelled_bytes_over_the_modelled_network(cfg):
