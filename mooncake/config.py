@@ -11,7 +11,9 @@ from typing import Any
 
 from mooncake import env
 from mooncake.addresses import port_range
-from mooncake.errors import ConfigError
+from mooncake.cost import STEP_MODELS
+from mooncake.errors import ConfigError, check_config as _check
+from mooncake.sim.config import SimConfig  # noqa: F401  (the [sim] table; imported from here too)
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 PREFILL_BATCHING = ("auto", "serial", "budget")
@@ -53,6 +55,9 @@ class EngineConfig:
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     emulation_speedup: float = 1.0  # emulated models only: every modelled step time is divided by this
+    # Emulated models only: how a step mixing prefill and decode is charged (mooncake/cost.py STEP_MODELS,
+    # "roofline" or "additive"); "": the model's own [cost] step_model.
+    emulation_step_model: str = ""
 
     @property
     def kv_dtype(self) -> str:
@@ -66,6 +71,8 @@ class EngineConfig:
         for key in ("block_size", "prefill_chunk", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes"):
             _check(getattr(self, key) > 0, f"engine.{key}", "must be > 0")
         _check(self.emulation_speedup > 0, "engine.emulation_speedup", "must be > 0")
+        _check(self.emulation_step_model in ("",) + STEP_MODELS, "engine.emulation_step_model",
+               f"must be one of {', '.join(STEP_MODELS)} (or empty: the model's own)")
         _check(self.prefill_batching in PREFILL_BATCHING, "engine.prefill_batching",
                f"must be one of {', '.join(PREFILL_BATCHING)}, got {self.prefill_batching!r}")
         for key in ("num_kv_blocks", "max_model_len", "num_threads"):
@@ -345,40 +352,6 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
-class SimConfig:
-    """`mooncake simulate`: the simulated cluster (DESIGN section 8). Blocks are the trace's 512 tokens."""
-
-    mode: str = "mooncake"  # "mooncake" (disaggregated, global pool) or "vllm" (colocated baseline)
-    num_prefill: int = 8
-    num_decode: int = 8
-    num_instances: int = 16  # vllm mode
-    dram_blocks_per_node: int = 8192  # each node's share of the KVCache pool
-    pool_decode_dram: bool = True  # decode nodes' DRAM joins the pool too (the KV they receive stays there)
-    vllm_cache_blocks: int = 3000  # vllm mode: local prefix cache in spare HBM
-    prefix_caching: bool = True  # vllm mode
-    chunked_prefill: bool = True  # vllm mode
-    chunk_tokens: int = 512  # vllm mode: tokens per step with chunked prefill (vLLM's default then)
-    decode_kv_tokens: int = 1_500_000  # KV one instance's HBM holds for decoding
-    reject_at_decode: bool = False  # the rejection study's baseline: decode refuses what would break TBT
-    speed: float = 1.0  # trace time compression
-    block_tokens: int = 512
-    mfu: float = 0.45  # prefill MFU, fitted to the paper's TTFT by scheduler (scripts/sim_paper.py --fit-mfu)
-    decode_efficiency: float = 0.6  # share of HBM bandwidth a decode step achieves
-    decode_overhead_s: float = 0.012  # per decode step: kernel launches, TP all-reduces, sampling
-
-    def __post_init__(self):
-        _check(self.mode in ("mooncake", "vllm"), "sim.mode", "must be 'mooncake' or 'vllm'")
-        for key in ("num_prefill", "num_decode", "num_instances", "dram_blocks_per_node", "chunk_tokens",
-                    "decode_kv_tokens", "block_tokens"):
-            _check(getattr(self, key) > 0, f"sim.{key}", "must be > 0")
-        _check(self.vllm_cache_blocks >= 0, "sim.vllm_cache_blocks", "must be >= 0")
-        _check(self.speed > 0, "sim.speed", "must be > 0")
-        _check(0 < self.mfu <= 1, "sim.mfu", "must be in (0, 1]")
-        _check(0 < self.decode_efficiency <= 1, "sim.decode_efficiency", "must be in (0, 1]")
-        _check(self.decode_overhead_s >= 0, "sim.decode_overhead_s", "must be >= 0")
-
-
-@dataclass(frozen=True)
 class MooncakeConfig:
     """The whole file: one table per component."""
 
@@ -392,11 +365,6 @@ class MooncakeConfig:
     api: ApiConfig = field(default_factory=ApiConfig)
     instance: InstanceConfig = field(default_factory=InstanceConfig)
     sim: SimConfig = field(default_factory=SimConfig)
-
-
-def _check(ok: bool, key: str, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"config key '{key}' {why}")
 
 
 def _check_known(kind: str, name: str, key: str) -> None:

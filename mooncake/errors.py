@@ -9,6 +9,12 @@ class ConfigError(MooncakeError):
     """A configuration file or value is wrong; the message names the key."""
 
 
+def check_config(ok: bool, key: str, why: str) -> None:
+    """ConfigError naming `key` and `why` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"config key '{key}' {why}")
+
+
 class ModelError(MooncakeError):
     """A model cannot be found, fetched, converted or loaded."""
 

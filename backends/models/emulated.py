@@ -31,12 +31,14 @@ from mooncake.errors import ModelError
 class EmulatedRunner(ModelRunner):
     models_time = True
 
-    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, speedup: float = 1.0):
+    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, speedup: float = 1.0,
+                 step_model: str = ""):
         path = Path(model_dir) / "config.json"
         config = json.loads(path.read_text())
         if "emulation" not in config:
             raise ModelError(f"{path}: no 'emulation' table: not an emulated model directory")
-        self.cost = CostModel.from_dict(config["emulation"], f"{path} emulation")
+        cost = dict(config["emulation"], **({"step_model": step_model} if step_model else {}))
+        self.cost = CostModel.from_dict(cost, f"{path} emulation")
         self.speedup = speedup
         self.device, self.dtype = device, dtype
         self.kv_spec = KVSpec(config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"])
@@ -55,7 +57,7 @@ class EmulatedRunner(ModelRunner):
 
     @classmethod
     def from_engine_config(cls, model_dir, device, dtype, config) -> "EmulatedRunner":
-        return cls(model_dir, device, dtype, config.emulation_speedup)
+        return cls(model_dir, device, dtype, config.emulation_speedup, config.emulation_step_model)
 
     def time_coefficients(self) -> tuple[list[float], list[float]]:
         return ([c / self.speedup for c in self.cost.prefill_coefficients()],
@@ -71,16 +73,12 @@ class EmulatedRunner(ModelRunner):
         return self.cost.transfer_s(num_tokens * self.cost.activation_bytes_per_token) / self.speedup
 
     def step_seconds(self, batch: ForwardBatch) -> float:
-        """The step's time on the emulated hardware: decode reads the weights once and every batched
-        sequence's KV; each prefill chunk costs Eq. 1 over its context less what was computed before."""
-        seconds = 0.0
-        if batch.num_decode:
-            context = int(batch.positions[:batch.num_decode].sum()) + batch.num_decode
-            seconds += self.cost.decode_step_s(batch.num_decode, context)
-        for span in batch.prefills:
-            total = len(span.context_slots)
-            seconds += self.cost.prefill_s(total, total - span.num_tokens)
-        return seconds
+        """The step's time on the emulated hardware (CostModel.step_s): decode reads the weights once and
+        every batched sequence's KV; each prefill chunk costs Eq. 1 over its context less what was computed
+        before; a mixed step as the cost model's step_model says."""
+        context = int(batch.positions[:batch.num_decode].sum()) + batch.num_decode if batch.num_decode else 0
+        chunks = [(len(span.context_slots), len(span.context_slots) - span.num_tokens) for span in batch.prefills]
+        return self.cost.step_s(chunks, batch.num_decode, context)
 
     def forward(self, batch: ForwardBatch, kv: torch.Tensor, on_layer=None) -> torch.Tensor:
         """The batch's KV and logits at once; the engine then waits out `modelled_step_s` (from the step's

@@ -65,21 +65,22 @@ class ColocatedCluster(SimulatedCluster):
             chunk = min(todo, budget) if self.cfg.chunked_prefill else todo
             if chunk <= 0 or (work and not self.cfg.chunked_prefill):
                 break
-            step_s = self.cost.prefill_s(seq.computed + chunk, seq.computed)
-            prefill_s += step_s
+            prefill_s += self.cost.prefill_s(seq.computed + chunk, seq.computed)
             work.append((seq, chunk))
             budget -= chunk
             if budget <= 0:
                 break
         # Without chunked prefill a prefill step runs alone: decode waits for it.
         decoding = inst.running if (self.cfg.chunked_prefill or not work) else []
-        decode_s = self.cost.decode_step_s(len(decoding), sum(s.context for s in decoding))
         if not work and not decoding:
             inst.stepping = False
             return
         inst.stepping = True
         self.prefill_gpu_s += prefill_s
-        self.loop.at(self.loop.now + prefill_s + decode_s, self._step_done, inst, work, list(decoding))
+        # One step: the chunks and the decode rows, as the cost model charges a mixed step (roofline or sum).
+        chunks = [(seq.computed + chunk, seq.computed) for seq, chunk in work]
+        step_s = self.cost.step_s(chunks, len(decoding), sum(s.context for s in decoding))
+        self.loop.at(self.loop.now + step_s, self._step_done, inst, work, list(decoding))
 
     def _step_done(self, inst: _Instance, work, decoding) -> None:
         now = self.loop.now

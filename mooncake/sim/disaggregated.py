@@ -140,7 +140,7 @@ class DisaggregatedCluster(SimulatedCluster):
         """The worst instance of each pool: prefill = queued work / TTFT SLO, decode = step time / TBT SLO."""
         now = self.loop.now
         prefill = max(max(0.0, p.busy_until - now) + p.queued_s for p in self.prefills.values())
-        decode = max(self.cost.decode_step_s(len(d.running), sum(a.context for a in d.running))
+        decode = max(self.cost.step_s((), len(d.running), sum(a.context for a in d.running))
                      for d in self.decodes.values())
         return prefill / self.ttft_slo_s, decode / self.tbt_slo_s
 
@@ -222,7 +222,7 @@ class DisaggregatedCluster(SimulatedCluster):
             return
         d.stepping = True
         context = sum(a.context for a in d.running)
-        d.step_s = self.cost.decode_step_s(len(d.running), context)
+        d.step_s = self.cost.step_s((), len(d.running), context)
         self.est.decode_step.observe(len(d.running), context, d.step_s)  # as the live one from heartbeats
         self.loop.at(self.loop.now + d.step_s, self._step_done, d)
 

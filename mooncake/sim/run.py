@@ -16,7 +16,7 @@ from mooncake.sim.trace import load_trace
 def simulate(trace_path: str | Path, config: MooncakeConfig, show_progress: bool = False) -> dict:
     trace = load_trace(trace_path)
     cost = CostModel(mfu=config.sim.mfu, decode_efficiency=config.sim.decode_efficiency,
-                     decode_overhead_s=config.sim.decode_overhead_s)
+                     decode_overhead_s=config.sim.decode_overhead_s, step_model=config.sim.step_model)
     if config.sim.mode == "mooncake":
         cluster = DisaggregatedCluster(config.sim, config.conductor, cost)
     else:

@@ -35,8 +35,8 @@ def run(engine, ids, params=GREEDY, **kwargs):
     return engine.pop_completion(rid), modelled
 
 
-def test_it_charges_eq_1_for_the_uncached_prompt_and_the_decode_step_for_each_token(cfg):
-    engine = LLMEngine(cfg)
+def test_under_the_additive_step_model_it_charges_eq_1_for_the_uncached_prompt_and_a_decode_step_per_token(cfg):
+    engine = LLMEngine(dataclasses.replace(cfg, emulation_step_model="additive"))
     cost = engine.runner.cost
     prompt = list(range(3, 203))  # 200 tokens: four chunks of 64 and one of 8
     out, modelled = run(engine, prompt, SamplingParams(max_tokens=1))
@@ -47,11 +47,38 @@ def test_it_charges_eq_1_for_the_uncached_prompt_and_the_decode_step_for_each_to
     assert modelled == pytest.approx(cost.prefill_s(240, 192) + decode)
 
 
+def test_under_the_roofline_a_step_costs_its_larger_bound_and_a_mixed_step_less_than_its_parts(cfg):
+    engine = LLMEngine(cfg)  # the model's own step model: roofline
+    cost = engine.runner.cost
+    assert cost.step_model == "roofline"
+    prompt = list(range(3, 203))
+    out, modelled = run(engine, prompt, SamplingParams(max_tokens=1))
+    chunks = [(64, 0), (128, 64), (192, 128), (200, 192)]
+    assert modelled == pytest.approx(sum(cost.step_s([c]) for c in chunks))
+    assert modelled > cost.prefill_s(200)  # 64-token chunks of a 70B model are memory-bound: the weights' read
+    # One running decode, then a 128-token prompt joins its steps: mixed steps cost less than apart.
+    additive = LLMEngine(dataclasses.replace(cfg, emulation_step_model="additive"))
+    totals = {}
+    for name, each in (("roofline", engine), ("additive", additive)):
+        first = each.add_request(list(range(50, 90)), SamplingParams(max_tokens=40, ignore_eos=True))
+        each.step()
+        each.add_request(list(range(100, 228)), SamplingParams(max_tokens=1))
+        totals[name] = 0.0
+        while each.has_unfinished():
+            each.step()
+            totals[name] += each.runner.last_modelled_s
+        assert len(each.pop_completion(first).token_ids) == 40
+    prefill = cost.prefill_s(64) + cost.prefill_s(128, 64)  # the joining prompt's two chunks, alone
+    assert totals["additive"] == pytest.approx(totals["roofline"] + prefill, rel=0.02)
+    assert totals["roofline"] > 39 * cost.decode_step_s(1, 42)
+
+
 def test_its_cost_model_and_kv_capacity_are_the_simulators(cfg):
     spec = tomllib.loads(CATALOG[NAME].spec_path.read_text())
     sim = SimConfig()
     assert CostModel.from_dict(spec["cost"], NAME) == CostModel(
-        mfu=sim.mfu, decode_efficiency=sim.decode_efficiency, decode_overhead_s=sim.decode_overhead_s)
+        mfu=sim.mfu, decode_efficiency=sim.decode_efficiency, decode_overhead_s=sim.decode_overhead_s,
+        step_model=sim.step_model)
     assert spec["config"]["kv_capacity_tokens"] == sim.decode_kv_tokens
     sized = LLMEngine(EngineConfig(model=cfg.model, block_size=64, kv_cache_bytes=1 << 20))  # bytes are ignored
     assert sized.pool.num_blocks == sim.decode_kv_tokens // 64

@@ -3,6 +3,7 @@ import pytest
 from mooncake.conductor.cpp import CppSettings, pipelined_prefill_s
 from mooncake.conductor.estimators import DecodeStepModel, PrefillTimeModel
 from mooncake.cost import CostModel, pipeline_ends
+from mooncake.errors import ModelError
 
 COST = CostModel()
 
@@ -24,6 +25,22 @@ def test_times_kv_bytes_and_transfer():
     assert COST.decode_step_s(0, 0) == 0.0
     step = COST.decode_step_s(32, 32 * 12000)
     assert 0.015 < step < 0.06 and COST.decode_step_s(64, 64 * 12000) > step
+
+
+def test_the_roofline_charges_a_step_its_larger_bound_and_the_additive_model_the_sum():
+    additive = CostModel(step_model="additive")
+    # pure steps cost the same under both: decode is memory-bound, a long prefill chunk compute-bound
+    assert COST.step_s((), 32, 32 * 12000) == pytest.approx(COST.decode_step_s(32, 32 * 12000))
+    assert COST.step_s([(2048, 1024)]) == pytest.approx(COST.prefill_s(2048, 1024))
+    assert additive.step_s([(2048, 1024)], 32, 32 * 12000) == pytest.approx(
+        COST.prefill_s(2048, 1024) + COST.decode_step_s(32, 32 * 12000))
+    mixed = COST.step_s([(2048, 1024)], 32, 32 * 12000)
+    assert COST.prefill_s(2048, 1024) < mixed < additive.step_s([(2048, 1024)], 32, 32 * 12000)
+    # a short chunk reads the weights like a decode step: it costs at least that read
+    assert COST.step_s([(16, 0)]) == pytest.approx(COST.weight_bytes / (COST.hbm_bytes_per_s * 0.6))
+    assert COST.step_s((), 0, 0) == 0.0
+    with pytest.raises(ModelError, match="step_model"):
+        CostModel(step_model="sum")
 
 
 def test_coefficients_seed_the_conductor_models_exactly():
