@@ -189,6 +189,15 @@ class ConductorConfig:
     decode_s_per_seq: float = 2e-3
     decode_s_per_context_token: float = 1e-6
     bandwidth_bytes_per_s: float = 1e9
+    # Every seed above and every instance's own (an emulated instance's exact cost model) is multiplied by
+    # this before use: 2 or 0.5 start the conductor from a wrong prior, to see the refits converge.
+    estimator_prior_scale: float = 1.0
+    # How many tokens a request in flight has left to decode, for Eq. 1's decode load: "learned" (from the
+    # lengths of the answers that ended: the client's max_tokens is only a cap; output_tokens_prior until
+    # 16 have ended) or "max_tokens" (its max_tokens less what it wrote: right only when every client
+    # asks exactly the length it will get, as a replay with ignore_eos does).
+    output_lengths: str = "learned"
+    output_tokens_prior: int = 256
     # Chunked pipeline parallelism (CPP, DESIGN section 6): a group of cpp_stages prefill instances runs
     # a prompt as a pipeline whose stage k computes layers k*L/X .. (k+1)*L/X - 1, in chunks of
     # cpp_chunk_tokens. 1: no groups. `mooncake simulate`: prefill nodes form static groups; a prompt whose
@@ -209,6 +218,10 @@ class ConductorConfig:
 
     def __post_init__(self):
         _check(self.cpp_stages >= 1, "conductor.cpp_stages", "must be >= 1 (1: no CPP groups)")
+        _check(self.estimator_prior_scale > 0, "conductor.estimator_prior_scale", "must be > 0")
+        _check(self.output_lengths in ("learned", "max_tokens"), "conductor.output_lengths",
+               f"must be 'learned' or 'max_tokens', got {self.output_lengths!r}")
+        _check(self.output_tokens_prior > 0, "conductor.output_tokens_prior", "must be > 0")
         _check(self.cpp_threshold_tokens >= 0, "conductor.cpp_threshold_tokens", "must be >= 0")
         _check(self.cpp_chunk_tokens > 0, "conductor.cpp_chunk_tokens", "must be > 0")
         _check(self.mode in ("disaggregated", "colocated"), "conductor.mode",

@@ -116,3 +116,17 @@ def test_dev_defaults_fit_one_full_context_of_the_default_model_in_the_dtype_the
     head_dim = model["hidden_size"] // model["num_attention_heads"]
     per_token = 2 * model["num_hidden_layers"] * kv_heads * head_dim * (4 if cfg.engine.kv_dtype == "float32" else 2)
     assert cfg.engine.kv_cache_bytes // per_token >= model["max_position_embeddings"] >= 8192
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("conductor.estimator_prior_scale", 0, "must be > 0"),
+    ("conductor.output_lengths", "oracle", "'learned' or 'max_tokens'"),
+    ("conductor.output_tokens_prior", 0, "must be > 0"),
+    ("sim.max_tokens", -1, "must be >= 0"),
+    ("sim.step_model", "sum", "roofline, additive"),
+    ("engine.emulation_step_model", "sum", "roofline, additive"),
+])
+def test_the_capacity_studys_keys_are_checked_by_name(key, value, words):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as caught:
+        load_config(None, {key: value})
+    assert words in str(caught.value)

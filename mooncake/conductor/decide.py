@@ -7,6 +7,7 @@ import logging
 
 from mooncake.conductor.admission import make_admission_policy
 from mooncake.conductor.cpp import CppSettings
+from mooncake.conductor.estimators import OutputLengthModel
 from mooncake.conductor.flight import Flight, Rejected, Unavailable
 from mooncake.conductor.instances import InstanceRegistry
 from mooncake.conductor.policies import Estimators, make_placement_policy
@@ -51,7 +52,8 @@ class Decider:
 
 def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_size: int, block_bytes: int,
                  pool_nodes: frozenset[str], now: float, avoid: tuple[str, ...] = (),
-                 group_stages: int = 1, idle_step_s: float = 0.0) -> ClusterView:
+                 group_stages: int = 1, idle_step_s: float = 0.0,
+                 output_lengths: OutputLengthModel | None = None) -> ClusterView:
     """The live instances with the load of the requests in flight on them, and the live cache nodes as the
     only holders a prefix can be fetched from. Instances in `avoid` are left out while another of their
     role is alive. With `group_stages` > 1 and that many prefill instances, one CPP group more: the
@@ -63,7 +65,8 @@ def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_s
 
     A decode instance's requests decode at its last reported step time (`idle_step_s` before it reported
     one), each with its current context, those still in prefill from their predicted hand-off or now if
-    that is past (DecodeLoad.ahead: the simulator predicts the same way from the same information)."""
+    that is past (DecodeLoad.ahead: the simulator predicts the same way from the same information), for the
+    tokens `output_lengths` predicts it has left (None: its max_tokens less those written)."""
     def live(role):
         instances = registry.alive(role)
         return [i for i in instances if i.instance_id not in avoid] or instances
@@ -88,7 +91,8 @@ def cluster_view(registry: InstanceRegistry, flights: dict[str, Flight], block_s
         for r in instance.request_ids:
             if (f := flights.get(r)) is not None:
                 start_s = max(f.decode_start_s, now) if f.in_prefill else now  # late: all its tokens ahead
-                loads.append(DecodeLoad.ahead(start_s, f.num_tokens_left,
-                                              f.num_leg_tokens, step_s))
+                left = (output_lengths.left(f.num_decoded, f.params.max_tokens) if output_lengths is not None
+                        else f.num_tokens_left)
+                loads.append(DecodeLoad.ahead(start_s, left, f.num_leg_tokens, step_s))
         decodes.append(DecodeView(instance.instance_id, loads))
     return ClusterView(prefills, decodes, block_size, block_bytes, fetchable=pool_nodes)

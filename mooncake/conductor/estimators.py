@@ -1,6 +1,8 @@
 """Online models the policies predict with, fitted from measurements (the paper's "polynomial
 regression" for prefill time). Pure: samples in, predictions out; no clock of their own."""
 
+import bisect
+import itertools
 from collections import deque
 
 import numpy as np
@@ -95,6 +97,59 @@ class DecodeStepModel(_OnlineLinearModel):
 
     def observe(self, batch_size: int, context_tokens: int, seconds: float) -> None:
         self._observe([1.0, float(batch_size), float(context_tokens)], seconds)
+
+
+class OutputLengthModel:
+    """Tokens a request has left to write, learned from the answers seen end (the paper's conductor is not
+    told output lengths; a client's max_tokens is a cap, far above most answers).
+
+    For a request that has written k tokens under a cap of m: E[min(L, m) | L > k] - k over the last
+    `window` answer lengths L, or `prior_tokens` (capped) until `min_samples` have ended. One past every
+    length seen: a quarter of what it wrote more, at least one. With `learn` off it is the old rule, the
+    cap less what was written: exact only when the cap is the true length (a replay's --oracle)."""
+
+    REBUILD_EVERY = 8  # observations between rebuilds of the sorted window (a prediction is a bisection)
+
+    def __init__(self, prior_tokens: int = 256, learn: bool = True, window: int = 2048, min_samples: int = 16):
+        self.prior_tokens, self.learn = prior_tokens, learn
+        self.window, self.min_samples = window, min_samples
+        self._lengths: deque = deque(maxlen=window)
+        self._sorted: list[int] = []
+        self._sums: list[int] = [0]  # prefix sums of _sorted
+        self._since_rebuild = 0
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._sorted)
+
+    def observe(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        self._lengths.append(num_tokens)
+        self._since_rebuild += 1
+        if self._since_rebuild >= self.REBUILD_EVERY or len(self._lengths) <= self.min_samples:
+            self._since_rebuild = 0
+            self._sorted = sorted(self._lengths)
+            self._sums = [0, *itertools.accumulate(self._sorted)]
+
+    def left(self, written: int, cap: int) -> int:
+        """Tokens predicted still to come of a request that wrote `written` under max_tokens `cap`."""
+        most = max(0, cap - written)
+        if not self.learn or most == 0:
+            return most
+        if len(self._sorted) < self.min_samples:
+            return min(most, max(1, self.prior_tokens - written))
+        s, sums = self._sorted, self._sums
+        first = bisect.bisect_right(s, written)  # answers longer than what it wrote: the ones it may be
+        if first == len(s):
+            return min(most, max(1, written // 4))
+        capped = bisect.bisect_left(s, cap, lo=first)  # from here on an answer stops at the cap
+        total = sums[capped] - sums[first] + cap * (len(s) - capped)
+        return min(most, max(1, round(total / (len(s) - first)) - written))
+
+    def expected(self, cap: int) -> int:
+        """Tokens predicted for a new request under max_tokens `cap`."""
+        return self.left(0, cap)
 
 
 class BandwidthEstimator:

@@ -6,10 +6,11 @@ Whether to serve the request at all is the admission policy's call (admission.py
 
 import random
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mooncake.conductor.cpp import CppSettings, pipelined_prefill_s
-from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
+from mooncake.conductor.estimators import (BandwidthEstimator, DecodeStepModel, OutputLengthModel,
+                                           PrefillTimeModel)
 from mooncake.conductor.prefix_index import PrefixIndex
 from mooncake.conductor.view import ClusterView, DecodeView, Placement, PrefillView, RequestView
 from mooncake.registry import load_backend
@@ -20,6 +21,16 @@ class Estimators:
     prefill_time: PrefillTimeModel
     decode_step: DecodeStepModel
     bandwidth: BandwidthEstimator
+    output_length: OutputLengthModel = field(default_factory=OutputLengthModel)
+
+    @classmethod
+    def from_config(cls, cfg, prefill_coef, decode_coef, bandwidth_bytes_per_s: float) -> "Estimators":
+        """The conductor's models as `cfg` (a ConductorConfig) sets them up: seeded with these coefficients
+        times conductor.estimator_prior_scale, output lengths as conductor.output_lengths says."""
+        k = cfg.estimator_prior_scale
+        return cls(PrefillTimeModel(*(c * k for c in prefill_coef)), DecodeStepModel(*(c * k for c in decode_coef)),
+                   BandwidthEstimator(bandwidth_bytes_per_s),
+                   OutputLengthModel(cfg.output_tokens_prior, learn=cfg.output_lengths == "learned"))
 
 
 @dataclass(frozen=True)

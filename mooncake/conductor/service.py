@@ -20,7 +20,6 @@ from mooncake.conductor.colocated import place_colocated
 from mooncake.conductor.control import ControlPlane
 from mooncake.conductor.cpp import CppSettings
 from mooncake.conductor.decide import Decider, cluster_view
-from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
 from mooncake.conductor.flight import Flight
 from mooncake.conductor.instances import Instance, InstanceRegistry
 from mooncake.conductor.leadership import Leadership
@@ -50,10 +49,10 @@ class Conductor:
         self.metrics = ConductorMetrics(config.api.model_name or config.engine.model)
         self.registry = InstanceRegistry(self.cfg.heartbeat_timeout_s)
         self.index = PrefixIndex()
-        self.estimators = Estimators(
-            PrefillTimeModel(self.cfg.prefill_c0_s, self.cfg.prefill_s_per_token, self.cfg.prefill_s_per_token2),
-            DecodeStepModel(self.cfg.decode_step_s, self.cfg.decode_s_per_seq, self.cfg.decode_s_per_context_token),
-            BandwidthEstimator(self.cfg.bandwidth_bytes_per_s))
+        self.estimators = Estimators.from_config(
+            self.cfg, (self.cfg.prefill_c0_s, self.cfg.prefill_s_per_token, self.cfg.prefill_s_per_token2),
+            (self.cfg.decode_step_s, self.cfg.decode_s_per_seq, self.cfg.decode_s_per_context_token),
+            self.cfg.bandwidth_bytes_per_s)
         self.decider = Decider(self.cfg, self.index, self.estimators)
         self.control = ControlPlane(self.cfg, self.registry, self.index, self.estimators, self.metrics, clock,
                                     route=self._route, on_dead=self._on_dead, on_api=self._on_api,
@@ -198,7 +197,8 @@ class Conductor:
         cpp = self.decider.policy.cpp
         stages = cpp.stages if cpp is not None and len(tokens) > cpp.threshold_tokens else 1
         cluster = cluster_view(self.registry, self.flights, self.block_size, self.block_bytes, pool_nodes, now,
-                               avoid, group_stages=stages, idle_step_s=self.estimators.decode_step.predict(1, 0))
+                               avoid, group_stages=stages, idle_step_s=self.estimators.decode_step.predict(1, 0),
+                               output_lengths=self.estimators.output_length)
         p = self.decider.decide(view, cluster, now, admit)
         # NOTE: all or nothing: the leg's messages are built (and encoded) before anything of it is counted,
         # so a leg that cannot be sent leaves no load behind.
@@ -349,6 +349,7 @@ class Conductor:
             self.metrics.migrations.labels(msg.migration).inc()
         self.metrics.record_request(msg)
         if msg.outcome == "ok":
+            self.estimators.output_length.observe(msg.num_completion_tokens)
             within = msg.ttft_s <= self.cfg.ttft_slo_s and msg.slow_gap_s <= self.cfg.tbt_slo_s
             self.metrics.slo.labels(str(within).lower()).inc()
 

@@ -30,6 +30,10 @@ class SimConfig:
     # How a step that mixes prefill and decode work is charged (mooncake/cost.py): "roofline" (the larger of
     # its compute and its memory time, plus the overhead) or "additive" (prefill and decode summed).
     step_model: str = "roofline"
+    # What each request asks as max_tokens. 0: the trace's output_length, which it then writes to the end
+    # (a replay's `ignore_eos` oracle: the conductor knows every length). > 0: this cap; each request writes
+    # the emulated model's answer to its prompt (mooncake/answer_lengths.py), which nobody is told.
+    max_tokens: int = 0
 
     def __post_init__(self):
         _check(self.mode in ("mooncake", "vllm"), "sim.mode", "must be 'mooncake' or 'vllm'")
@@ -42,3 +46,4 @@ class SimConfig:
         _check(0 < self.decode_efficiency <= 1, "sim.decode_efficiency", "must be in (0, 1]")
         _check(self.decode_overhead_s >= 0, "sim.decode_overhead_s", "must be >= 0")
         _check(self.step_model in STEP_MODELS, "sim.step_model", f"must be one of {', '.join(STEP_MODELS)}")
+        _check(self.max_tokens >= 0, "sim.max_tokens", "must be >= 0 (0: the trace's output lengths)")

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from mooncake.conductor.cpp import CppSettings, pipelined_prefill_s
 from mooncake.conductor.decide import Decider
 from mooncake.conductor.flight import Rejected, Unavailable
-from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
 from mooncake.conductor.policies import Estimators
 from mooncake.conductor.prefix_index import PrefixIndex
 from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, PrefillView, RequestView
@@ -76,9 +75,10 @@ class DisaggregatedCluster(SimulatedCluster):
     def __init__(self, cfg: SimConfig, conductor: ConductorConfig, cost: CostModel):
         super().__init__(cfg, cost)
         self.index = PrefixIndex()
-        est = Estimators(PrefillTimeModel(*cost.prefill_coefficients()), DecodeStepModel(*cost.decode_coefficients()),
-                         BandwidthEstimator(cost.network_bytes_per_s))
-        self.est = est
+        # NOTE: seeded as an emulated instance seeds the live conductor at Register: the cost model's own
+        # coefficients (times conductor.estimator_prior_scale)
+        self.est = est = Estimators.from_config(conductor, cost.prefill_coefficients(), cost.decode_coefficients(),
+                                                cost.network_bytes_per_s)
         self.cpp = CppSettings.from_config(conductor, cost.activation_bytes_per_token)
         self.decider = Decider(conductor, self.index, est, self.cpp)  # the live conductor's decision core
         self.tbt_slo_s = conductor.tbt_slo_s
@@ -101,29 +101,35 @@ class DisaggregatedCluster(SimulatedCluster):
         decodes = []
         for d in self.decodes.values():
             # NOTE: what the live conductor knows (decide.cluster_view): the instance's last step time and
-            # each request's current context and tokens left. A trace's output length is what a replay
-            # asks as max_tokens (with ignore_eos), so tokens left here are max_tokens less those streamed.
+            # each request's current context, and the tokens it predicts each has left from what it wrote
+            # and its max_tokens (sim.max_tokens; 0: the trace's output length, a replay's oracle).
             step = d.step_s or self.est.decode_step.predict(1, 0)
-            loads = [DecodeLoad.ahead(now, a.remaining, a.context, step) for a in d.running + d.pending]
+            left = self.est.output_length.left
+            loads = [DecodeLoad.ahead(now, left(a.context - a.record.input_tokens, self._cap(a.record)), a.context,
+                                      step) for a in d.running + d.pending]
             # NOTE: requests due at decode beyond the TTFT SLO cannot change a decision made now; leaving
             # them out keeps an overloaded run (thousands queued for prefill) from going quadratic.
             horizon = now + self.ttft_slo_s
-            loads += [DecodeLoad.ahead(j.ready_s, j.record.output_tokens, j.record.input_tokens, step)
+            loads += [DecodeLoad.ahead(j.ready_s, left(0, self._cap(j.record)), j.record.input_tokens, step)
                       for j in d.incoming.values() if j.ready_s <= horizon]
             decodes.append(DecodeView(d.instance_id, loads))
         return ClusterView(prefills, decodes, block_size=self.cfg.block_tokens, block_bytes=self.block_bytes)
+
+    def _cap(self, record: RequestRecord) -> int:
+        return self.cfg.max_tokens or record.output_tokens
 
     def _arrive(self, i: int, req: TraceRequest) -> None:
         now = self.loop.now
         record = RequestRecord(i, now, req.input_length, req.output_length)
         self.records.append(record)
-        request = RequestView(str(i), req.input_length, req.hash_ids, req.output_length, now)
+        request = RequestView(str(i), req.input_length, req.hash_ids, self._cap(record), now)
         view = self._view(now)
         try:
             placement = self.decider.decide(request, view, now)
         except (Unavailable, Rejected):
             record.rejected_at = "arrival"
             return
+        record.predicted_ttft_s = placement.ttft_s
         reused = min(placement.reuse_blocks * self.cfg.block_tokens, req.input_length - 1)
         prefill = self.prefills[placement.prefill_id]
         # what the request holds stage 0 for: all of its work, or stage 0's layers of it in a CPP group
@@ -187,7 +193,9 @@ class DisaggregatedCluster(SimulatedCluster):
             self.est.prefill_time.observe(job.record.input_tokens, job.record.cached_tokens, job.compute_s)
         decode = self.decodes[job.decode_id]
         decode.incoming.pop(job.record.request_id, None)
-        if job.record.output_tokens > 1:
+        if job.record.output_tokens <= 1:
+            self.est.output_length.observe(job.record.output_tokens)  # over with its first token
+        else:
             # Layer-wise streaming: all but the last layer's KV moved while later layers computed.
             last_layer_s = self.cost.transfer_s(self.cost.kv_bytes(job.record.input_tokens)) / self.cost.layers
             self.loop.at(now + last_layer_s, self._kv_arrived, decode, job.record, job.hashes)
@@ -235,5 +243,7 @@ class DisaggregatedCluster(SimulatedCluster):
             a.remaining -= 1
             if a.remaining > 0:
                 still.append(a)
+            else:  # the live conductor learns the length when the request's LegEnded comes
+                self.est.output_length.observe(a.record.output_tokens)
         d.running = still
         self._step(d)

@@ -19,6 +19,7 @@ class RequestRecord:
     cached_tokens: int = 0
     token_times: list[float] = field(default_factory=list)  # first token (end of prefill) onwards
     rejected_at: str | None = None  # "arrival" | "decode" | None
+    predicted_ttft_s: float = 0.0  # the conductor's, at placement (0: not predicted, as in the colocated baseline)
 
     @property
     def ttft_s(self) -> float | None:
@@ -49,7 +50,18 @@ def report(records: list[RequestRecord], thresholds_s=(0.1, 0.2, 0.3), prefill_g
         "tbt_s": _stats(tbt),
         "hit_ratio": sum(r.cached_tokens for r in served) / input_tokens if input_tokens else 0.0,
         "prefill_gpu_s": prefill_gpu_s,
+        "prediction": prediction_figures([r.predicted_ttft_s / r.ttft_s for r in served
+                                          if r.predicted_ttft_s > 0 and r.ttft_s > 0]),
     }
+
+
+def prediction_figures(ratios) -> dict:
+    """Predicted over measured TTFT: the median ratio and the share within 0.85-1.15 (None: no requests)."""
+    if len(ratios) == 0:
+        return {"median_ratio": None, "share_0.85_1.15": None, "count": 0}
+    values = np.asarray(ratios, dtype=float)
+    return {"median_ratio": float(np.median(values)),
+            "share_0.85_1.15": float(((values >= 0.85) & (values <= 1.15)).mean()), "count": len(values)}
 
 
 def _stats(values: np.ndarray) -> dict:

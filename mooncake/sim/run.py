@@ -10,11 +10,19 @@ from mooncake.sim.colocated import ColocatedCluster
 from mooncake.cost import CostModel
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import report
-from mooncake.sim.trace import load_trace
+from mooncake.sim.trace import TraceRequest, load_trace, with_emulated_answers
 
 
 def simulate(trace_path: str | Path, config: MooncakeConfig, show_progress: bool = False) -> dict:
     trace = load_trace(trace_path)
+    if config.sim.max_tokens:  # under a cap, each request writes the emulated model's answer to its prompt
+        trace = with_emulated_answers(trace, config.sim.max_tokens, config.sim.block_tokens)
+    return simulate_requests(trace, config, show_progress)
+
+
+def simulate_requests(trace: list[TraceRequest], config: MooncakeConfig, show_progress: bool = False) -> dict:
+    """`simulate` of requests whose output lengths are what they will write (with_emulated_answers applied
+    already when config.sim.max_tokens caps them)."""
     cost = CostModel(mfu=config.sim.mfu, decode_efficiency=config.sim.decode_efficiency,
                      decode_overhead_s=config.sim.decode_overhead_s, step_model=config.sim.step_model)
     if config.sim.mode == "mooncake":

@@ -58,3 +58,22 @@ def test_decode_load_is_current_context_at_the_instances_last_step_time():
     assert batch_at(16.9, now=13.0) == (2, 410) and batch_at(17.1, now=13.0) == (1, 110)  # a late hand-off
     decoding.num_decoded += 20  # at 20 s, 20 tokens later (decode's heartbeat says): 20 left, longer context
     assert batch_at(23.9, now=20.0) == (2, 430) and batch_at(24.1, now=20.0) == (0, 0)
+
+
+def test_decode_load_counts_the_tokens_the_learned_lengths_predict_not_the_cap():
+    """A client's max_tokens is a cap: the view counts what the answers seen so far say is left."""
+    from mooncake.conductor.estimators import OutputLengthModel
+
+    registry = InstanceRegistry(heartbeat_timeout_s=1e9)
+    registry.register(m.Register(instance_id="decode-0", role="decode", model_id="x", block_size=16,
+                                 kv_dtype="float32"), now=0.0)
+    flights = {"a": Flight("a", list(range(100)), SamplingParams(max_tokens=2000), owner="api-0", in_prefill=False,
+                           num_decoded=10)}
+    registry.get("decode-0").request_ids.update(flights)
+    lengths = OutputLengthModel(min_samples=4)
+    for n in (30, 50, 70, 90):
+        lengths.observe(n)
+    view = cluster_view(registry, flights, 16, 1024, frozenset(), 0.0, idle_step_s=1.0, output_lengths=lengths)
+    assert view.decodes[0].requests[0].finish_s == pytest.approx(60 - 10)  # E[L | L > 10] = 60, 10 written
+    view = cluster_view(registry, flights, 16, 1024, frozenset(), 0.0, idle_step_s=1.0)
+    assert view.decodes[0].requests[0].finish_s == pytest.approx(1990)  # without: the cap less what it wrote

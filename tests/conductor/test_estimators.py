@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, PrefillTimeModel
+from mooncake.conductor.estimators import BandwidthEstimator, DecodeStepModel, OutputLengthModel, PrefillTimeModel
 from mooncake.conductor.prefix_index import PrefixIndex
 
 
@@ -73,3 +73,25 @@ def test_an_instance_may_seed_a_model_until_samples_come():
     model.observe(4, 1000, 0.05)
     assert not model.seed([1.0, 1.0, 1.0])  # measured samples win over what an instance says
     assert not DecodeStepModel(0.01, 0.0, 0.0).seed([0.01, -1.0, 0.0])  # nonsense is ignored
+
+
+def test_output_lengths_are_learned_from_answers_that_ended_never_taken_from_the_cap():
+    model = OutputLengthModel(prior_tokens=100, min_samples=16)
+    assert model.left(0, 2000) == 100 and model.left(30, 2000) == 70 and model.left(150, 2000) == 1  # the prior
+    assert model.left(0, 40) == 40  # never past the cap
+    rng = random.Random(3)
+    lengths = [rng.choice((5, 20, 300, 800)) for _ in range(400)]
+    for n in lengths:
+        model.observe(n)
+    for written, cap in ((0, 2000), (0, 500), (10, 2000), (400, 2000), (400, 600)):
+        longer = [min(n, cap) for n in lengths if n > written]
+        assert model.left(written, cap) == pytest.approx(sum(longer) / len(longer) - written, abs=1)
+    assert model.left(900, 2000) == 225  # past every answer seen: a quarter more of what it wrote
+    assert OutputLengthModel(learn=False).left(30, 2000) == 1970  # the oracle's rule: the cap is the length
+
+
+def test_the_output_length_window_forgets_old_answers():
+    model = OutputLengthModel(window=64, min_samples=16)
+    for n in [1000] * 64 + [10] * 64:
+        model.observe(n)
+    assert model.left(0, 2000) == 10

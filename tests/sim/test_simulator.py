@@ -198,3 +198,41 @@ def test_cpp_groups_need_whole_groups_of_prefill_nodes():
         DisaggregatedCluster(cfg.sim, cfg.conductor, CostModel())
     with pytest.raises(ConfigError, match="conductor.cpp_stages"):
         config(**{"conductor.cpp_stages": 0})
+
+
+def test_under_a_cap_each_request_writes_the_emulated_models_answer_and_the_conductor_learns_it(tmp_path):
+    """sim.max_tokens: requests ask a cap and write what the emulated model answers their prompt with (as a
+    live replay gets it); the simulated conductor is told neither, and learns lengths from answers that end."""
+    from mooncake.answer_lengths import AnswerLengths, answer_token_ids
+    from mooncake.models.catalog import CATALOG
+    from mooncake.sim.trace import load_trace, trace_prompt, with_emulated_answers
+    import tomllib
+
+    requests = load_trace(small_trace(tmp_path, n=120))
+    answered = with_emulated_answers(requests, 400)
+    answers = AnswerLengths(tomllib.loads(CATALOG["emulated-llama3-70b"].spec_path.read_text())["answers"]["quantiles"])
+    for request, got in zip(requests, answered):
+        prompt = trace_prompt(request.hash_ids, 512, request.input_length)
+        assert len(prompt) == request.input_length
+        assert got.output_length == min(400, answers.of_prompt(prompt, answer_token_ids()))
+    assert len({r.output_length for r in answered}) > 20 and max(r.output_length for r in answered) == 400
+    cfg = config(**{"sim.max_tokens": 400})
+    cluster = DisaggregatedCluster(cfg.sim, cfg.conductor, CostModel())
+    records = cluster.run(answered)
+    assert sorted(len(r.token_times) for r in records) == sorted(r.output_length for r in answered)
+    learned = cluster.est.output_length
+    assert learned.num_samples == len(answered)
+    mean = sum(r.output_length for r in answered) / len(answered)
+    assert learned.expected(400) == pytest.approx(mean, abs=1)
+
+
+def test_estimators_that_start_twice_off_converge_from_what_they_observe(tmp_path):
+    cfg = config(**{"conductor.estimator_prior_scale": 2.0})
+    cluster = DisaggregatedCluster(cfg.sim, cfg.conductor, CostModel())
+    assert cluster.est.prefill_time.predict(8000) == pytest.approx(2 * CostModel().prefill_s(8000))
+    from mooncake.sim.trace import load_trace
+    records = sorted(cluster.run(load_trace(small_trace(tmp_path))), key=lambda r: r.arrival_s)
+    ratios = [r.predicted_ttft_s / r.ttft_s for r in records]
+    assert ratios[0] == pytest.approx(2.0, rel=0.05)  # an idle cluster: the prediction is the prior's
+    assert all(0.9 < x < 1.1 for x in ratios[-100:])  # refitted from the prefills it saw
+    assert cluster.est.prefill_time.predict(8000) == pytest.approx(CostModel().prefill_s(8000), rel=0.05)
