@@ -56,26 +56,12 @@ from mooncake import messages as m  # noqa: E402
 from mooncake import security  # noqa: E402
 from mooncake.config import load_config  # noqa: E402
 from mooncake.dev import DevCluster  # noqa: E402
-from mooncake.sim.trace import TraceRequest, load_trace  # noqa: E402
+from mooncake.sim.trace import TraceRequest, load_trace, trace_prompt  # noqa: E402
 
 FAULTS = ("kill", "stop", "term")
 ROLES = ("prefill", "decode", "cache", "conductor", "api")
 GRACE_S = 15.0  # past a request's deadline before it counts as hung; also the drain's settle time
 BREAK_AFTER_S = 5.0  # a stream cut this long after an API process was killed or stopped is its loss (STOP_S is 3)
-
-
-def block_tokens(hash_id: int, n: int) -> list[int]:
-    rng = random.Random(hash_id * 7919 + 17)
-    return [rng.randrange(10, 250) for _ in range(n)]
-
-
-def prompt_of(hash_ids, block: int, max_input: int) -> list[int]:
-    tokens = []
-    for hash_id in hash_ids:
-        tokens += block_tokens(hash_id, block)
-        if len(tokens) >= max_input:
-            break
-    return tokens[:max_input] or block_tokens(-1, 4)
 
 
 def synthetic_trace(rng: random.Random, n: int = 4096) -> list[TraceRequest]:
@@ -345,7 +331,7 @@ def main() -> None:
             if sum(c.ended_s is None for c in clients) < args.max_in_flight:
                 t = trace[i % len(trace)]
                 i += 1
-                prompt = prompt_of(t.hash_ids, args.block_tokens, args.max_input)
+                prompt = trace_prompt(t.hash_ids, args.block_tokens, args.max_input)
                 clients.append(Client(cluster.url, prompt, max(2, min(t.output_length, args.max_output)),
                                       read_timeout_s=deadline_s + GRACE_S))
             time.sleep(1.0 / args.rate)

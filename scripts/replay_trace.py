@@ -10,7 +10,6 @@ ends by itself. Prints a table and writes bench-results/replay.json."""
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -26,21 +25,11 @@ sys.path.insert(0, str(ROOT))
 
 from mooncake.config import load_config  # noqa: E402
 from mooncake.dev import DevCluster  # noqa: E402
-from mooncake.sim.trace import load_trace  # noqa: E402
-
-
-def block_tokens(hash_id: int, n: int) -> list[int]:
-    rng = random.Random(hash_id * 7919 + 17)
-    return [rng.randrange(10, 250) for _ in range(n)]
+from mooncake.sim.trace import block_tokens, load_trace, trace_prompt  # noqa: E402
 
 
 def prompt_of(request, args) -> list[int]:
-    tokens = []
-    for hash_id in request.hash_ids:
-        tokens += block_tokens(hash_id, args.block_tokens)
-        if len(tokens) >= args.max_input:
-            break
-    return tokens[:args.max_input] or block_tokens(-1, 4)
+    return trace_prompt(request.hash_ids, args.block_tokens, args.max_input)
 
 
 def one(url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: float) -> dict:

@@ -1,5 +1,6 @@
 """scripts/bench_goodput.py on a handful of requests: it replays them through live Mooncake and live
-colocated clusters of the emulated model and through the simulator, and every request gets an answer."""
+colocated clusters of the emulated model and through the simulator, every request gets an answer as long
+as the simulator computes (nobody told the cluster: the requests ask a cap), and it bisects capacity."""
 
 import json
 import subprocess
@@ -22,6 +23,16 @@ def test_a_small_goodput_replay_serves_every_request_live_and_simulated(tmp_path
             assert figures["requests"] == 8 and figures["failed"] == 0, (where, mode, figures)
             assert set(figures["goodput"]) == {"0.1", "0.2", "0.3"} and figures["ttft_mean_s"] > 0
     assert result["live"]["mooncake"]["1"]["prediction_ratio"]["count"] >= 1
+    for mode in ("mooncake", "colocated"):  # every answer ended with EOS where the simulator says it does
+        assert result["live"][mode]["1"]["answers_as_simulated"] == 1.0, mode
+    assert result["args"]["oracle"] == "False" and result["args"]["max_tokens"] == "2000"
+    prediction = result["live"]["mooncake"]["1"]["prediction"]
+    assert prediction["count"] >= 1 and 0 <= prediction["share_0.85_1.15"] <= 1
+    assert sum(w["ttft"]["count"] for w in result["live"]["mooncake"]["1"]["prediction_over_time"]) \
+        == result["live"]["mooncake"]["1"]["prediction_ratio"]["count"]
+    for mode in ("mooncake", "colocated"):
+        found = result["capacity"]["sim"][mode]
+        assert set(found) == {"0.1", "0.2", "0.3"} and all(c["rate"] >= 0 for c in found.values())
     for mode in ("mooncake", "colocated"):  # the conductor's clock starts later and stops sooner than the client's
         live = result["live"][mode]["1"]
         assert 0 < live["conductor_ttft_mean_s"] <= live["ttft_mean_s"], (mode, live["conductor_ttft_mean_s"])
