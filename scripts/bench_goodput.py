@@ -377,6 +377,7 @@ def main() -> None:
                         help="seconds between scrapes of the live conductor's prediction histograms")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a request may take, live")
     parser.add_argument("--quick", action="store_true", help="2P2D vs colocated 4, 40 requests")
+    parser.add_argument("--sim-only", action="store_true", help="the simulator's side only (no live cluster)")
     parser.add_argument("--json", type=Path, default=Path("bench-results/goodput.json"),
                         help="where the figures go; the PNG plots go beside it")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (they need matplotlib: "
@@ -400,7 +401,8 @@ def main() -> None:
     for rate in args.rates:
         for mode in args.modes:
             results["sim"][mode][f"{rate:g}"] = simulated(mode, answered, args, rate)
-            results["live"][mode][f"{rate:g}"] = live(mode, answered, args, rate)
+            if not args.sim_only:
+                results["live"][mode][f"{rate:g}"] = live(mode, answered, args, rate)
     if args.capacity != "none":
         results["capacity"] = capacities(answered, args)
     report(results, trace, answered, args)
@@ -408,14 +410,14 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.json}")
-    if not args.no_plots and len(args.modes) == 2:
+    if not args.no_plots and len(args.modes) == 2 and not args.sim_only:
         for path in plot(results, args.rates, args.json.parent):
             print(f"wrote {path}")
 
 
 def capacities(answered, args) -> dict:
     """capacity[side][system][threshold] (rate factor), and per side Mooncake's over colocated's, less 1."""
-    sides = {"sim": simulated} if args.capacity == "sim" else {"sim": simulated, "live": live}
+    sides = {"sim": simulated} if args.capacity == "sim" or args.sim_only else {"sim": simulated, "live": live}
     out = {}
     for side, run in sides.items():
         out[side] = {}
@@ -446,7 +448,7 @@ def report(results: dict, trace, answered, args) -> None:
     print(f"{'rate':>5} {'system':>20} {'good@0.1':>9} {'good@0.2':>9} {'good@0.3':>9} {'TTFT mean':>10} "
           f"{'TTFT p99':>9} {'429':>5} {'failed':>6} {'pred. median':>12} {'0.85-1.15':>9}")
     for rate in args.rates:
-        for where in ("live", "sim"):
+        for where in ("sim",) if args.sim_only else ("live", "sim"):
             for mode in args.modes:
                 r = results[where][mode][f"{rate:g}"]
                 g, p = r["goodput"], r["prediction"]
@@ -455,7 +457,7 @@ def report(results: dict, trace, answered, args) -> None:
                 print(f"{rate:>5g} {where + ' ' + mode:>20} {g['0.1']:>9.3f} {g['0.2']:>9.3f} {g['0.3']:>9.3f} "
                       f"{r['ttft_mean_s']:>10.2f} {r['ttft_p99_s']:>9.2f} {r['rejected']:>5} {r['failed']:>6} "
                       f"{median:>12} {share:>9}")
-        for mode in args.modes:
+        for mode in () if args.sim_only else args.modes:
             r = results["live"][mode][f"{rate:g}"]
             cpu = r["cpu_s"]
             print(f"  live {mode}: conductor {cpu['conductor_ms_per_request']:.1f} CPU ms per request; every role "
@@ -466,7 +468,7 @@ def report(results: dict, trace, answered, args) -> None:
             print(f"  live {mode}: emulated steps' measured/modelled time, mean by role: "
                   + ", ".join(f"{role} {h['mean']:.3f} ({h['within_5pct']:.0%} within 5%)"
                               for role, h in r["step_ratio"].items() if h["count"]))
-        if "mooncake" in args.modes:
+        if "mooncake" in args.modes and not args.sim_only:
             print(f"  live Mooncake at rate {rate:g}, predicted/measured over time (emulated s: requests ended, "
                   f"median bucket, share within 0.85-1.15; TTFT | TBT):")
             for w in results["live"]["mooncake"][f"{rate:g}"]["prediction_over_time"]:
