@@ -152,11 +152,11 @@ class EmulatedRunner(ModelRunner):
         logits = torch.full((len(rows), self.vocab_size), -30.0, dtype=torch.float32, device=self.device)
         logits[:, self.alphabet] = 0.0
         tokens, positions = batch.input_ids.tolist(), batch.positions.tolist()
-        eos = self.eos_token_ids[0]
+        ends = self.answers is not None and bool(self.eos_token_ids)  # a model without EOS never ends
         for row, (index, (digest, run, key)) in enumerate(zip(rows, self._digests(batch, kv) if digests is None
                                                                else digests)):
-            if self.answers is not None and run + 1 >= self.answers.total(key):
-                logits[row, eos] = 30.0  # the answer's last token: EOS, sampled or not
+            if ends and run + 1 >= self.answers.total(key):
+                logits[row, self.eos_token_ids[0]] = 30.0  # the answer's last token: EOS, sampled or not
                 continue
             pick = mix(tokens[index], positions[index], digest) % len(self.alphabet)
             logits[row, self.alphabet[pick]] = 4.0  # greedy takes it; sampling mostly (p ~ 0.7)
