@@ -207,7 +207,7 @@ class ControlPlane:
             return m.RegisterReply(accepted=True, heartbeat_interval_s=self.cfg.heartbeat_interval_s)
         est = self.estimators
         for model, coef in ((est.prefill_time, msg.prefill_coef), (est.decode_step, msg.decode_coef)):
-            coef = [c * self.cfg.estimator_prior_scale for c in coef]  # 1 but to test that the refits converge
+            coef = [c * self.cfg.estimator_prior_scale for c in coef]  # != 1 only to show the refits converge
             if len(coef) == 3 and model.seed(coef):
                 log.info("%s seeds the %s model: %s", msg.instance_id, type(model).__name__,
                          ", ".join(f"{c:.3g}" for c in coef))
