@@ -173,6 +173,9 @@ class ConductorConfig:
     control_address: str = "tcp://127.0.0.1:7700"  # instances register, heartbeat and report here
     heartbeat_interval_s: float = 0.5  # told to each instance when it registers
     heartbeat_timeout_s: float = 3.0  # silent this long: the instance is dead, its requests fail
+    # An API process silent past the heartbeat timeout keeps its legs this much longer: one that was only
+    # slow (an overloaded event loop) registers again and its streams go on; one that is gone has them freed.
+    api_grace_s: float = 5.0
     prefill_timeout_s: float = 120.0  # placement to first token, at most
     token_timeout_s: float = 30.0  # longest wait for the next token of a decoding request; then it migrates
     request_deadline_s: float = 900.0  # admission to the last token, at most, whatever happens on the way
@@ -235,6 +238,7 @@ class ConductorConfig:
         for key in ("prefill_c0_s", "prefill_s_per_token", "prefill_s_per_token2", "decode_step_s",
                     "decode_s_per_seq", "decode_s_per_context_token"):
             _check(getattr(self, key) >= 0, f"conductor.{key}", "must be >= 0")
+        _check(self.api_grace_s >= 0, "conductor.api_grace_s", "must be >= 0")
         _check(self.migration_limit >= 0, "conductor.migration_limit", "must be >= 0")
         _check(not self.otlp_endpoint or self.otlp_endpoint.startswith(("http://", "https://")),
                "conductor.otlp_endpoint", "must be an http(s) URL like http://127.0.0.1:4318/v1/traces")

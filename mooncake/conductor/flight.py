@@ -28,6 +28,7 @@ class Flight:
     decode_start_s: float = 0.0  # predicted hand-off to decode (the decode view counts it from then)
     in_prefill: bool = True
     is_decode_sent: bool = False  # decode has claimed the leg's KV from its inbox
+    is_handed_off: bool = False  # this conductor sent its `Decode`: a HandOff sent again is a duplicate
     num_decoded: int = 0  # tokens decode produced, as its last heartbeat said
     holders: set[str] = field(default_factory=set)  # instances that hold this leg
     placed_s: float = 0.0  # the conductor's clock: the prefill queue counts its work from then

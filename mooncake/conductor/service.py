@@ -7,7 +7,8 @@ from it and sends `Decode`) and `LegEnded` (it frees the leg wherever it is stil
 request's outcome). Tokens go from the instances straight to the API process. When an instance dies, the
 conductor tells each of its legs' API process (`LegLost`), which moves the request (a new leg on other
 instances, resuming from the prompt and the tokens streamed). An API process that dies is an instance of
-role "api": its legs are freed everywhere. The control socket is control.py's; the pool's index feed is
+role "api": its legs are freed everywhere, unless it is back within `conductor.api_grace_s` (api_grace.py). The
+control socket is control.py's; the pool's index feed is
 pool_watch.py's."""
 
 import asyncio
@@ -17,7 +18,8 @@ import time
 
 from mooncake import messages as m
 from mooncake.conductor.colocated import place_colocated
-from mooncake.conductor.control import ControlPlane
+from mooncake.conductor.api_grace import ApiGrace
+from mooncake.conductor.control import LEFT, ControlPlane
 from mooncake.conductor.cpp import CppSettings
 from mooncake.conductor.decide import Decider, cluster_view
 from mooncake.conductor.flight import Flight
@@ -60,6 +62,7 @@ class Conductor:
         self.flights: dict[str, Flight] = {}  # by wire id
         # Legs over (or refused) lately, by wire id: their owners, whose record of the request may come after
         self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.grace = ApiGrace(self.cfg.api_grace_s, lambda wire_id: self._end_leg(self.flights.get(wire_id)))
         self.model = None
         self.pool: PoolWatcher | None = None
         self.supervisor: Supervisor | None = None
@@ -107,6 +110,7 @@ class Conductor:
                  f"{self.cfg.cpp_threshold_tokens} tokens" if self.decider.policy.cpp else "")
 
     async def stop(self) -> None:
+        self.grace.close()
         if self.supervisor is not None:
             await self.supervisor.stop()
         if self._sends:
@@ -279,6 +283,8 @@ class Conductor:
         if flight is not None and flight.owner != owner:
             log.warning("ignored the hand-off of %s from %r, which does not own it", done.request_id, owner)
             return
+        if flight is not None and flight.is_handed_off:  # NOTE: sent again by an API process back from silence
+            return
         if flight is None:  # NOTE: placed by a conductor before this one (it restarted): adopt the leg
             if not msg.go_on or (decode := self.registry.get(msg.decode_id)) is None or not decode.is_alive:
                 if msg.go_on:
@@ -300,7 +306,7 @@ class Conductor:
         if not msg.go_on:
             return  # NOTE: LegEnded follows; it frees the KV waiting in decode's inbox
         decode_id = flight.placement.decode_id
-        flight.is_decode_sent = True
+        flight.is_decode_sent = flight.is_handed_off = True
         # NOTE: a CPP group's blocks reach the pool through decode, the first instance to hold them whole.
         if not await self.control.send(decode_id, m.Decode(
                 request_id=flight.request_id, token_ids=list(msg.token_ids), block_hashes=list(msg.block_hashes),
@@ -415,8 +421,16 @@ class Conductor:
         if instance.role != "api":
             return
         now = self.clock()
+        self.grace.back(instance.instance_id, {held.request_id for held in msg.legs})
         for held in msg.legs:
             if held.request_id in self.flights:
+                continue
+            if self.ended.get(held.request_id) == instance.instance_id:
+                # NOTE: freed while it was away, past the grace: what the instances held is gone; it moves it
+                self._send_soon(instance.instance_id, m.LegLost(
+                    request_id=held.request_id, suspects=[],
+                    error=f"API process {instance.instance_id} was silent for longer than "
+                          f"conductor.heartbeat_timeout_s + conductor.api_grace_s: the conductor freed the leg"))
                 continue
             params = SamplingParams(max_tokens=max(1, held.num_tokens_left))
             flight = Flight(held.request_id, [0] * held.num_tokens, params, instance.instance_id,
@@ -440,7 +454,10 @@ class Conductor:
 
     def _on_dead(self, instance: Instance, why: str) -> None:
         """An instance died: every leg on it is lost, and its API process moves the request. An API process
-        died: its legs are freed wherever they are held (nobody streams them)."""
+        died: its legs are freed wherever they are held (nobody streams them), after conductor.api_grace_s
+        unless it left cleanly."""
+        if instance.role == "api" and why != LEFT and self.grace.keep(instance.instance_id, set(instance.request_ids)):
+            return
         for wire_id in list(instance.request_ids):
             flight = self.flights.get(wire_id)
             if flight is None:

@@ -119,12 +119,77 @@ def test_a_dead_api_process_has_its_legs_freed_everywhere(served):
     try:
         assert not place(api, "r2").refusal
         recv(prefill, kind=m.Prefill)
-        api.send(m.encode(m.Leave(instance_id="api-a")))  # NOTE: as a silent one is, after the heartbeat timeout
+        api.send(m.encode(m.Leave(instance_id="api-a")))  # NOTE: a clean departure: no grace
         assert recv(prefill, timeout_s=10, kind=m.Cancel).request_id == "r2"
         assert recv(decode, timeout_s=10, kind=m.Cancel).request_id == "r2"
         assert not served.conductor.flights
     finally:
         close(prefill, decode)
+
+
+GRACE_S = 1.0
+
+
+@pytest.fixture()
+def graced(tiny_dir):
+    s = Served(**{"conductor.heartbeat_timeout_s": 600.0, "conductor.admission": "accept-all",
+                  "conductor.api_grace_s": GRACE_S})
+    yield s
+    s.close()
+
+
+def silence(served, api_id: str) -> None:
+    """As if `api_id` had sent no heartbeat for longer than the timeout: the liveness watch declares it dead."""
+    instance = served.conductor.registry.get(api_id)
+    served.loop.call_soon_threadsafe(setattr, instance, "last_seen_s", float("-inf"))
+    deadline = time.monotonic() + 5
+    while instance.is_alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not instance.is_alive
+
+
+def placed_leg(prefill, api, rid: str) -> m.HeldLeg:
+    assert not place(api, rid).refusal
+    recv(prefill, kind=m.Prefill)
+    return m.HeldLeg(rid, "decode-a", 130, 8, ["prefill-a"], list(range(1000, 1002)))
+
+
+def test_an_api_process_silent_for_a_moment_keeps_its_legs_when_it_registers_again_within_the_grace(graced):
+    """An overloaded API process that missed its heartbeats is not dead: its streams must go on untouched."""
+    prefill, decode, api = cluster(graced)
+    try:
+        held = placed_leg(prefill, api, "r4")
+        hand_off = m.HandOff(done=done("r4"), decode_id="decode-a", token_ids=list(range(130)) + [5],
+                             block_hashes=[1000, 1001], sampling={"max_tokens": 7}, reply_to=REPORTS)
+        api.send(m.encode(hand_off))
+        assert recv(decode, kind=m.Decode).request_id == "r4"
+        silence(graced, "api-a")
+        api.send(m.encode(register(graced, "api-a", "api", legs=[held])))
+        assert recv(api, kind=m.RegisterReply).accepted
+        api.send(m.encode(hand_off))  # NOTE: an API process sends again a hand-off with no token from decode yet
+        assert not decode.poll(int(GRACE_S * 1000) + 1000) and not prefill.poll(0)  # no Cancel, no second Decode
+        assert "r4" in graced.conductor.flights and graced.conductor.registry.get("api-a").request_ids == {"r4"}
+        api.send(m.encode(m.LegEnded(request_id="r4", outcome="cancelled")))
+        assert recv(decode, kind=m.Cancel).request_id == "r4"  # still its to end
+    finally:
+        close(prefill, decode, api)
+
+
+def test_an_api_process_silent_past_the_grace_has_its_legs_freed_and_told_lost_if_it_comes_back(graced):
+    prefill, decode, api = cluster(graced)
+    try:
+        held = placed_leg(prefill, api, "r5")
+        silenced_s = time.monotonic()
+        silence(graced, "api-a")
+        assert recv(prefill, timeout_s=GRACE_S + 5, kind=m.Cancel).request_id == "r5"
+        assert time.monotonic() - silenced_s >= GRACE_S * 0.9  # not before the grace ended
+        assert recv(decode, kind=m.Cancel).request_id == "r5" and not graced.conductor.flights
+        api.send(m.encode(register(graced, "api-a", "api", legs=[held])))  # too late: the instances freed it
+        lost = recv(api, kind=m.LegLost)
+        assert lost.request_id == "r5" and lost.suspects == [] and "api_grace_s" in lost.error
+        assert not graced.conductor.flights  # not adopted: nothing holds its KV any more
+    finally:
+        close(prefill, decode, api)
 
 
 def test_a_restarted_conductor_counts_the_legs_an_api_process_says_it_holds(served):
