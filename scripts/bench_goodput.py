@@ -38,7 +38,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -47,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from capacity import THRESHOLDS_S, capacity  # noqa: E402
+from live_metrics import cpu_seconds, histogram, scrape, step_ratios  # noqa: E402
 from chaos import synthetic_trace  # noqa: E402
 from mooncake.config import load_config  # noqa: E402
 from mooncake.dev import DevCluster  # noqa: E402
@@ -75,11 +75,11 @@ class Outcome:
 
 
 async def one(session, url: str, request: TraceRequest, at_s: float, speedup: float, out: Outcome,
-              cap: int) -> None:
+              cap: int, model: str = MODEL, block: int = TRACE_BLOCK) -> None:
     """One request, sent at `at_s`: max_tokens `cap`, to EOS (the answer's length is nobody's to tell), or
     with cap 0 the trace's output length with ignore_eos (the oracle)."""
     await asyncio.sleep(max(0.0, at_s - time.monotonic()))
-    body = {"model": MODEL, "prompt": trace_prompt(request.hash_ids, TRACE_BLOCK, request.input_length),
+    body = {"model": model, "prompt": trace_prompt(request.hash_ids, block, request.input_length),
             "max_tokens": cap or max(1, request.output_length), "temperature": 0, "ignore_eos": not cap,
             "stream": True, "stream_options": {"include_usage": True}}
     sent = last = time.monotonic()
@@ -117,12 +117,12 @@ def send_offsets_s(trace: list[TraceRequest], rate: float, speedup: float) -> li
 
 
 async def replay(url: str, trace: list[TraceRequest], rate: float, speedup: float, timeout_s: float,
-                 cap: int) -> list[Outcome]:
+                 cap: int, model: str = MODEL, block: int = TRACE_BLOCK) -> list[Outcome]:
     outcomes = [Outcome() for _ in trace]
     start = time.monotonic() + 1.0
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        await asyncio.gather(*(one(session, url, r, start + at_s, speedup, o, cap)
+        await asyncio.gather(*(one(session, url, r, start + at_s, speedup, o, cap, model, block)
                                for r, o, at_s in zip(trace, outcomes, send_offsets_s(trace, rate, speedup))))
     return outcomes
 
@@ -137,47 +137,6 @@ def figures(outcomes: list[Outcome], duration_s: float) -> dict:
             "rejected": sum(o.status == 429 for o in outcomes),
             "failed": sum(o.status not in (200, 429) for o in outcomes), "requests": len(outcomes),
             "ttft_s": [o.ttft_s for o in served]}
-
-
-def histogram(text: str, name: str, labels: str = "") -> dict:
-    """One Prometheus histogram of a /metrics text, by its label set `labels` (e.g. 'role="decode"'):
-    count, mean, the upper bounds of the buckets holding its median and 90th percentile, and the
-    cumulative count by bucket."""
-    def value(line: str) -> float:
-        return float(line.rsplit(" ", 1)[1])
-
-    lines = [line for line in text.splitlines() if line.startswith(name) and labels in line]
-    buckets = [(float(line.split('le="')[1].split('"')[0]), value(line)) for line in lines
-               if line.startswith(name + "_bucket") and 'le="+Inf"' not in line]
-    total = next((value(line) for line in lines if line.startswith(name + "_count")), 0.0)
-    total_sum = next((value(line) for line in lines if line.startswith(name + "_sum")), 0.0)
-
-    def quantile(q: float):
-        return next((le for le, count in buckets if total and count >= q * total), None)
-
-    return {"count": total, "mean": total_sum / total if total else None, "median_upper_bound": quantile(0.5),
-            "p90_upper_bound": quantile(0.9), "cumulative": dict(buckets)}
-
-
-def scrape(url: str) -> str:
-    return urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-
-
-def step_ratios(text: str) -> dict:
-    """Per role, measured over modelled step time of the emulated instances, and the share of steps
-    within 5% of the model."""
-    out = {}
-    for role in ("prefill", "decode"):
-        h = histogram(text, "mooncake_emulated_step_ratio", f'role="{role}"')
-        h["within_5pct"] = h["cumulative"].get(1.05, 0.0) / h["count"] if h["count"] else None
-        out[role] = h
-    return out
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a process has used (from /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class PredictionWatch:
@@ -299,6 +258,10 @@ def simulated(mode: str, trace, args, rate: float) -> dict:
                                 "sim.max_tokens": 0 if args.oracle else args.max_tokens,
                                 "conductor.estimator_prior_scale": args.prior_scale,
                                 "conductor.output_lengths": "max_tokens" if args.oracle else "learned"})
+    return simulated_figures(trace, config, rate)
+
+
+def simulated_figures(trace, config, rate: float) -> dict:
     result = simulate_requests(trace, config)
     served = result["per_request"]
     ttft = sorted(served["ttft_s"]) or [0.0]
@@ -346,6 +309,7 @@ def plot(results: dict, rates: list[float], out_dir: Path) -> list[Path]:
 
 
 def main() -> None:
+    import goodput_real  # NOTE: here, not above: it imports this module
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl")
     parser.add_argument("--requests", type=int, default=1000, help="the trace's first N requests")
@@ -382,6 +346,7 @@ def main() -> None:
                         help="where the figures go; the PNG plots go beside it")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (they need matplotlib: "
                         "pip install 'mooncake[sim]')")
+    goodput_real.add_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.requests, args.prefill, args.decode = min(args.requests, 40), 2, 2
@@ -394,6 +359,8 @@ def main() -> None:
     else:
         print(f"no trace at {args.trace}: replaying synthetic requests")
         whole = trace = synthetic_trace(rng, args.requests)
+    if args.real:
+        return goodput_real.run(args, whole)
     args.max_tokens = args.max_tokens or max(r.output_length for r in whole)
     # What each request writes: the emulated model's answer to its prompt under the cap (the oracle: the trace's).
     answered = trace if args.oracle else with_emulated_answers(trace, args.max_tokens, TRACE_BLOCK)
@@ -469,8 +436,8 @@ def report(results: dict, trace, answered, args) -> None:
                   + ", ".join(f"{role} {h['mean']:.3f} ({h['within_5pct']:.0%} within 5%)"
                               for role, h in r["step_ratio"].items() if h["count"]))
         if "mooncake" in args.modes and not args.sim_only:
-            print(f"  live Mooncake at rate {rate:g}, predicted/measured over time (emulated s: requests ended, "
-                  f"median bucket, share within 0.85-1.15; TTFT | TBT):")
+            print(f"  live Mooncake at rate {rate:g}, predicted/measured over time (emulated s: requests ended, median "
+                  "bucket, share within 0.85-1.15; TTFT | TBT):")
             for w in results["live"]["mooncake"][f"{rate:g}"]["prediction_over_time"]:
                 if w["ttft"]["count"] or w["tbt"]["count"]:
                     print(f"    until {w['until_s']:>8.1f} s: " + " | ".join(
@@ -483,8 +450,9 @@ def report(results: dict, trace, answered, args) -> None:
                 f"TBT {t} s: {c['rate']:.3g}{'' if c['bound'] == 'bisected' else ' (' + c['bound'] + ')'}"
                 for t, c in systems[mode].items()))
         if "mooncake_over_colocated" in systems:
+            over = systems["mooncake_over_colocated"]
             print(f"  capacity ({side}) Mooncake over colocated: " + ", ".join(
-                f"TBT {t} s: {'-' if v is None else f'{v:+.0%}'}" for t, v in systems["mooncake_over_colocated"].items())
+                f"TBT {t} s: {'-' if v is None else f'{v:+.0%}'}" for t, v in over.items())
                 + " (the paper, conversation trace: +498% / +157% / +59%)")
 
 

@@ -34,6 +34,10 @@ class SimConfig:
     # (a replay's `ignore_eos` oracle: the conductor knows every length). > 0: this cap; each request writes
     # the emulated model's answer to its prompt (mooncake/answer_lengths.py), which nobody is told.
     max_tokens: int = 0
+    # A TOML file with a [cost] table (scripts/profile_engine.py fits one to a real engine on one CPU core): the
+    # simulated instances' cost model in place of LLaMA3-70B on 8 x A800 (mfu, decode_efficiency and
+    # decode_overhead_s above are then the file's).
+    cost_file: str = ""
 
     def __post_init__(self):
         _check(self.mode in ("mooncake", "vllm"), "sim.mode", "must be 'mooncake' or 'vllm'")

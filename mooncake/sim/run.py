@@ -3,12 +3,15 @@
 import json
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 from mooncake.config import MooncakeConfig
 from mooncake.sim.colocated import ColocatedCluster
 from mooncake.cost import CostModel
+from mooncake.errors import ConfigError
 from mooncake.sim.disaggregated import DisaggregatedCluster
+from mooncake.sim.config import SimConfig
 from mooncake.sim.metrics import report
 from mooncake.sim.trace import TraceRequest, load_trace, with_emulated_answers
 
@@ -23,8 +26,7 @@ def simulate(trace_path: str | Path, config: MooncakeConfig, show_progress: bool
 def simulate_requests(trace: list[TraceRequest], config: MooncakeConfig, show_progress: bool = False) -> dict:
     """`simulate` of requests whose output lengths are what they will write (with_emulated_answers applied
     already when config.sim.max_tokens caps them)."""
-    cost = CostModel(mfu=config.sim.mfu, decode_efficiency=config.sim.decode_efficiency,
-                     decode_overhead_s=config.sim.decode_overhead_s, step_model=config.sim.step_model)
+    cost = sim_cost(config.sim)
     if config.sim.mode == "mooncake":
         cluster = DisaggregatedCluster(config.sim, config.conductor, cost)
     else:
@@ -40,6 +42,20 @@ def simulate_requests(trace: list[TraceRequest], config: MooncakeConfig, show_pr
     result["config"] = {"sim": vars(config.sim), "conductor": vars(config.conductor)}
     result["wall_s"] = time.perf_counter() - started
     return result
+
+
+def sim_cost(sim: SimConfig) -> CostModel:
+    """The simulated instances' cost model: LLaMA3-70B on 8 x A800 with the [sim] coefficients, or the [cost]
+    table of `sim.cost_file`."""
+    if not sim.cost_file:
+        return CostModel(mfu=sim.mfu, decode_efficiency=sim.decode_efficiency, decode_overhead_s=sim.decode_overhead_s,
+                         step_model=sim.step_model)
+    try:
+        table = tomllib.loads(Path(sim.cost_file).read_text())["cost"]
+    except (OSError, tomllib.TOMLDecodeError, KeyError) as exc:
+        raise ConfigError(f"config key 'sim.cost_file': cannot read a [cost] table from {sim.cost_file}: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+    return CostModel.from_dict({**table, "step_model": sim.step_model}, sim.cost_file)
 
 
 def _progress(end_s: float):
