@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 PORT   ?= 8000
 
-.PHONY: setup run test bench clean mooncake-te
+.PHONY: setup run test test-all bench clean mooncake-te
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,12 @@ run: setup
 	$(BIN)/mooncake model fetch
 	$(BIN)/mooncake dev --port $(PORT) --ask "$(PROMPT)"
 
+# make test: everything but the tests marked slow (long studies, faults and benchmark runs), within 10 minutes
+# on 2 cores; make test-all: every test, as .ci/run does.
 test: setup mooncake-te
+	$(BIN)/python -m pytest -m "not slow"
+
+test-all: setup mooncake-te
 	$(BIN)/python -m pytest
 
 bench: setup

@@ -6,8 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from mooncake.sim.trace import TraceRequest
 from scripts.bench_goodput import BURST_GAP_S, send_offsets_s
+
+pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
 
 
 def test_a_small_goodput_replay_serves_every_request_live_and_simulated(tmp_path):

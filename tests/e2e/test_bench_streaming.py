@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
+
 
 def test_a_short_streaming_run_measures_every_mode(tmp_path, tiny_dir):
     out = tmp_path / "streaming.json"

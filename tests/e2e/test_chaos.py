@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

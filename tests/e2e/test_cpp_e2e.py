@@ -14,6 +14,8 @@ import pytest
 from tests.e2e.conftest import make_cluster, metrics, post, wait_for
 from tests.e2e.test_migration import Stream, assert_idle, holders, story, undisturbed
 
+pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
+
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dir, tmp_path_factory):

@@ -17,6 +17,8 @@ from tests.e2e.conftest import make_cluster, wait_for
 from tests.e2e.test_front_door import ask
 from tests.e2e.test_migration import Stream, assert_idle, story
 
+pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
+
 LEADER_TTL_S = 2.0
 
 

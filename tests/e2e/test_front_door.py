@@ -15,6 +15,8 @@ import pytest
 from tests.e2e.conftest import make_cluster, metrics, wait_for
 from tests.e2e.test_migration import Stream, assert_idle, story
 
+pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
+
 CONDUCTOR_WAIT_S = 2.0
 TOKEN_TIMEOUT_S = 5.0  # how long an API process waits for a silent decode before it moves the stream
 

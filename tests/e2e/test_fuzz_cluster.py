@@ -18,6 +18,8 @@ from mooncake.transfer.framing import binding, seal_for
 from tests.e2e.conftest import make_cluster, post
 from tests.wire_fuzz import frames
 
+pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
+
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dir, tmp_path_factory):

@@ -9,6 +9,8 @@ import pytest
 
 from tests.e2e.conftest import make_cluster, metrics, post
 
+pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
+
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dir, tmp_path_factory):

@@ -18,6 +18,8 @@ import pytest
 from tests.e2e.conftest import make_cluster, metrics, post, wait_for
 from tests.e2e.test_fault import cache_stats
 
+pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
+
 CACHE_TIMEOUT_S = 20.0
 
 

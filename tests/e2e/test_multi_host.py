@@ -22,6 +22,8 @@ from mooncake.security import generate_keys
 from tests.e2e.conftest import E2E_SETTINGS
 from tests.transfer.test_transport_contract import available
 
+pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "multi-host"
 BLOCK = E2E_SETTINGS["engine.block_size"]

@@ -12,6 +12,8 @@ import pytest
 
 from tests.e2e.conftest import make_cluster, metrics, post
 
+pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
+
 BLOCK = 16
 
 

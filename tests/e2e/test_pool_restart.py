@@ -9,6 +9,8 @@ import pytest
 
 from tests.e2e.conftest import make_cluster, metrics, post, wait_for
 
+pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
+
 BLOCK = 16
 NUM_BLOCKS = 12
 

@@ -5,6 +5,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
+
 
 def test_a_short_stall_run_admits_every_joiner_and_measures_every_phase(tmp_path, tiny_dir):
     out = tmp_path / "stall.json"

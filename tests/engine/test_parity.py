@@ -95,6 +95,7 @@ def test_c_exported_after_prefill_and_decoded_elsewhere(setup, layerwise):
     assert out.token_ids == hf.greedy(ids, NEW_TOKENS)
 
 
+@pytest.mark.slow  # the longest parity run
 def test_d_continuous_batching_with_requests_joining_midway(setup):
     cfg, engine, hf = setup
     all_ids = prompts(engine, 8)

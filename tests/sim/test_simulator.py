@@ -67,6 +67,7 @@ def test_every_request_is_accounted_for_and_tokens_are_in_order(tmp_path):
     assert sum(r.cached_tokens for r in records) > 0  # conversations reuse their earlier turns
 
 
+@pytest.mark.slow  # the whole trace, simulated several times
 @needs_trace
 def test_global_cache_aware_beats_local_beats_load_balancing_beats_random():
     ttft = {p: simulate(TRACE, config(**{"conductor.placement": p}))["ttft_s"]["mean"]
@@ -74,6 +75,7 @@ def test_global_cache_aware_beats_local_beats_load_balancing_beats_random():
     assert ttft["kvcache-centric"] < ttft["local-cache-aware"] < ttft["least-loaded"] < ttft["random"]
 
 
+@pytest.mark.slow  # the whole trace, simulated several times
 @needs_trace
 def test_mooncake_serves_more_within_slo_than_vllm_and_most_at_the_strictest_tbt():
     ours = simulate(TRACE, config())["effective_capacity"]
@@ -148,6 +150,7 @@ def test_vllm_chunked_prefill_bounds_the_stall_a_prefill_puts_on_decode(tmp_path
     assert worst[False] > 2 * worst[True]
 
 
+@pytest.mark.slow  # the whole trace, simulated several times
 @needs_trace
 def test_rejection_study_rejecting_at_arrival_wastes_less_than_the_baseline():
     """configs/sim/rejection-8p8d-2x.toml: 8P+8D around 2x speed, decode the bottleneck. The baseline
