@@ -347,14 +347,16 @@ class InstanceConfig:
     # layers compute (the paper's layer-wise streaming), so only the last layer's share of the last
     # chunk lands on TTFT; false: a chunk's blocks leave whole after its step.
     stream_layers: bool = False
-    kv_inbox_ttl_s: float = 60.0  # decode drops KV no request claimed within this long
+    # Decode drops KV no request claimed within this long. 0: conductor.prefill_timeout_s plus the hand-off's
+    # HAND_OFF_S (decode/inbox.py): a leg's first blocks may wait as long as its prefill may take.
+    kv_inbox_ttl_s: float = 0.0
     kv_inbox_bytes: int = 1 << 30  # decode holds at most this much unclaimed KV (prefill: CPP activations)
 
     def __post_init__(self):
         _check_known("transports", self.transport, "instance.transport")
         _check("://" in self.conductor_address, "instance.conductor_address",
                "must be a ZeroMQ address like tcp://127.0.0.1:7700")
-        _check(self.kv_inbox_ttl_s > 0, "instance.kv_inbox_ttl_s", "must be > 0")
+        _check(self.kv_inbox_ttl_s >= 0, "instance.kv_inbox_ttl_s", "must be >= 0 (0: conductor.prefill_timeout_s)")
         _check(self.kv_inbox_bytes > 0, "instance.kv_inbox_bytes", "must be > 0")
         _check(self.stream_kv or not self.stream_layers, "instance.stream_layers",
                "needs instance.stream_kv = true (layers stream within chunk-wise streaming)")

@@ -14,6 +14,14 @@ from mooncake.transfer.contract import BlockService
 
 ORPHAN_TTL_S = 3.0  # an uncounted copy (of a cancelled request, landed late) waits this long for a claim
 RELEASED_S = 10.0  # how long a release waits for a copy still on its way
+HAND_OFF_S = 10.0  # from a leg's last prefill step to decode's claim of its blocks, at most (with margin)
+
+
+def inbox_ttl_s(config) -> float:
+    """How long unclaimed KV waits: instance.kv_inbox_ttl_s, or (0) as long as a leg's prefill may take. A
+    leg's first chunk's blocks arrive when its prefill starts and are claimed after its last: a TTL shorter
+    than a long prompt's prefill dropped them, and decode computed the whole prompt again on its own core."""
+    return config.instance.kv_inbox_ttl_s or config.conductor.prefill_timeout_s + HAND_OFF_S
 
 
 class KVInbox(BlockService):

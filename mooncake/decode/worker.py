@@ -16,7 +16,7 @@ import asyncio
 import logging
 
 from mooncake import messages as m
-from mooncake.decode.inbox import KVInbox
+from mooncake.decode.inbox import KVInbox, inbox_ttl_s
 from mooncake.sampling import SamplingParams
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
 from mooncake.instance.pool import PoolAccess
@@ -32,7 +32,7 @@ class DecodeWorker(Worker):
 
     def __init__(self, config):
         super().__init__(config)
-        self.inbox = KVInbox(config.instance.kv_inbox_ttl_s, config.instance.kv_inbox_bytes)
+        self.inbox = KVInbox(inbox_ttl_s(config), config.instance.kv_inbox_bytes)
         self._expiry: asyncio.Task | None = None
         self._admissions: dict[str, asyncio.Task] = {}  # request id -> its admission, while it runs
         self.pool = PoolAccess(self.name, config)
@@ -130,5 +130,5 @@ class DecodeWorker(Worker):
         while True:
             await asyncio.sleep(min(1.0, self.inbox.ttl_s))
             if n := self.inbox.expire():
-                log.info("%s: dropped %d KV blocks no request claimed in time (instance.kv_inbox_ttl_s = %g s)",
+                log.info("%s: dropped %d KV blocks no request claimed in time (%g s: instance.kv_inbox_ttl_s)",
                          self.name, n, self.inbox.ttl_s)

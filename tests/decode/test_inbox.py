@@ -70,3 +70,16 @@ def test_blocks_come_whole_or_by_layer_and_a_block_missing_a_layer_ends_the_clai
     inbox.put_block(layer_key(4, 0), b"late")  # landed after the cancel: uncounted, so it expires soon
     inbox.put_block(5, b"late whole")
     assert inbox._blocks[layer_key(4, 0)][1] == 0 and inbox._blocks[5][1] == 0
+
+
+def test_unclaimed_kv_waits_as_long_as_a_legs_prefill_may_take_unless_set():
+    """A long prompt's first blocks arrive when its prefill starts and are claimed after its last chunk (84 s
+    for 8k tokens on one CPU core): an inbox TTL under the prefill timeout dropped them, and decode computed
+    the whole prompt again on its own core, stalling every stream there."""
+    from mooncake.config import load_config
+    from mooncake.decode.inbox import inbox_ttl_s
+
+    default = load_config(None, {})
+    assert inbox_ttl_s(default) > default.conductor.prefill_timeout_s
+    assert inbox_ttl_s(load_config(None, {"conductor.prefill_timeout_s": 900.0})) > 900.0
+    assert inbox_ttl_s(load_config(None, {"instance.kv_inbox_ttl_s": 10.0})) == 10.0  # set: as set
