@@ -246,6 +246,7 @@ class PrefillDone(Message, tag="prefill_done"):
     fetched_bytes: int = 0  # read from the cache pool for reuse
     fetch_seconds: float = 0.0
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token but the first, when asked
 
 
 class Decode(Message, tag="decode"):
@@ -268,6 +269,7 @@ class Tokens(Message, tag="tokens"):
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first token of a colocated leg, when asked
 
 
 class StepTokens(Message, tag="step_tokens"):

@@ -33,6 +33,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
     logprob: float
     top: list[tuple[int, float]] = []
+    rank: int = 0  # the token's rank in its distribution (1: the likeliest), where it was computed; 0: not
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest tokens'
+    # The same for each prompt token after the first (prefill computes them, so the prompt's prefix cache is
+    # not used): OpenAI's `echo` with `logprobs`, and vLLM's `prompt_logprobs`.
+    prompt_logprobs: int | None = None
     # The root of the request's block hash chain (hashing.salt_root): 0 shares the prefix cache; a salted
     # request's blocks are its salt's alone, on every role that hashes them.
     prefix_root: int = 0
@@ -65,6 +69,8 @@ class SamplingParams:
             _check_int("seed", self.seed, 0, SEED_LIMIT)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS + 1)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}", "ignore_eos")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -102,10 +108,12 @@ def _check_number(name: str, value, low: float) -> None:
         raise InvalidRequestError(f"{name} must be >= {low:g}, got {value}", name)
 
 
-def wire_sampling(params: SamplingParams, max_tokens: int | None = None) -> dict:
+def wire_sampling(params: SamplingParams, max_tokens: int | None = None, prompt: bool = True) -> dict:
     """The sampling fields instances need, as messages carry them; stop strings stay with the API process
-    (it matches them on text)."""
+    (it matches them on text). Without `prompt`, no prompt logprobs: a leg that resumes after generated
+    tokens, or decode after prefill, has none to compute."""
     wire = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
             "seed": params.seed, "ignore_eos": params.ignore_eos, "stop_token_ids": list(params.stop_token_ids),
-            "logprobs": params.logprobs, "prefix_root": params.prefix_root}
+            "logprobs": params.logprobs, "prefix_root": params.prefix_root,
+            "prompt_logprobs": params.prompt_logprobs if prompt else None}
     return wire if max_tokens is None else {**wire, "max_tokens": max_tokens}

@@ -139,11 +139,14 @@ class EmulatedRunner(ModelRunner):
             lengths = batch.positions[group.start:group.stop] + 1
             rows = _answer_runs(cells[group.context_slots], marks[group.context_slots], lengths)
             digests.update(enumerate(rows, start=group.start))
-        for span in batch.prefills:
-            slots = span.context_slots[None, :]
-            length = torch.tensor([slots.shape[1]], device=slots.device)
-            digests[span.start + span.num_tokens - 1] = _answer_runs(cells[slots], marks[slots], length)[0]
-        return [digests[i] for i in batch.logits_indices.tolist()]
+        wanted = batch.logits_indices.tolist()
+        for span in batch.prefills:  # NOTE: its last token's row, and any earlier ones' (prompt logprobs)
+            rows = [i for i in wanted if span.start <= i < span.start + span.num_tokens]
+            slots = span.context_slots[None, :].expand(len(rows), -1)
+            past = len(span.context_slots) - span.num_tokens - span.start + 1
+            lengths = torch.tensor([past + i for i in rows], device=slots.device)
+            digests.update(zip(rows, _answer_runs(cells[slots], marks[slots], lengths)))
+        return [digests[i] for i in wanted]
 
     def _logits(self, batch: ForwardBatch, kv: torch.Tensor,
                 digests: list[tuple[int, int, int]] | None = None) -> torch.Tensor:

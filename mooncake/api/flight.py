@@ -24,6 +24,7 @@ class StreamEvent:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first token: one per prompt token but the first
 
 
 @dataclass

@@ -225,7 +225,8 @@ class FrontDoor:
         self.streams[wire_id] = flight
         remaining = flight.params.max_tokens - len(flight.generated)
         place = m.Place(request_id=wire_id, token_ids=tokens, block_hashes=flight.block_hashes,
-                        sampling=wire_sampling(flight.params, max_tokens=remaining), admit=admit, avoid=list(avoid),
+                        sampling=wire_sampling(flight.params, remaining, prompt=not flight.generated), admit=admit,
+                        avoid=list(avoid),
                         deadline_s=max(0.01, flight.deadline_s - self.clock()), reply_to=self.inbox.address,
                         moved_from=moved_from)
         answer = self.pending[wire_id] = asyncio.get_running_loop().create_future()
@@ -287,7 +288,7 @@ class FrontDoor:
             else:
                 flight.gaps_s.append(now - last)
             last = now
-            event = self._event(flight, detok, token_ids, reason, logprobs)
+            event = self._event(flight, detok, token_ids, reason, logprobs, msg.prompt_logprobs)
             if isinstance(msg, m.PrefillDone):
                 await self._hand_off(flight, msg, go_on=event.finish_reason is None)
             yield event
@@ -298,9 +299,9 @@ class FrontDoor:
         """Tell the conductor the leg's prefill is done; with `go_on` it sends `Decode`."""
         p = flight.placement
         remaining = flight.params.max_tokens - len(flight.generated)
-        hand_off = m.HandOff(done=done, decode_id=p.decode_id, token_ids=flight.leg_token_ids,
-                             block_hashes=flight.block_hashes, go_on=go_on, reply_to=self.inbox.address,
-                             sampling=wire_sampling(flight.params, max_tokens=remaining),
+        hand_off = m.HandOff(done=msgspec.structs.replace(done, prompt_logprobs=None), decode_id=p.decode_id,
+                             token_ids=flight.leg_token_ids, block_hashes=flight.block_hashes, go_on=go_on,
+                             reply_to=self.inbox.address, sampling=wire_sampling(flight.params, remaining, prompt=False),
                              pool_first_block=p.reuse_blocks if len(p.prefill_ids) > 1 else None)
         # NOTE: the token is already counted in leg_token_ids (generated): decode continues after it
         flight.handed_off = hand_off if go_on else None
@@ -346,13 +347,13 @@ class FrontDoor:
         return [done.first_token], reason
 
     def _event(self, flight: Flight, detok: IncrementalDetokenizer, token_ids: list[int],
-               finish_reason: str | None, logprobs=None) -> StreamEvent:
+               finish_reason: str | None, logprobs=None, prompt_logprobs=None) -> StreamEvent:
         flight.generated += token_ids
         self.metrics.tokens.inc(len(token_ids))
         text = detok.add(token_ids, final=finish_reason is not None)
         if detok.stopped:
             finish_reason = "stop"
-        return StreamEvent(text, token_ids, finish_reason, logprobs)
+        return StreamEvent(text, token_ids, finish_reason, logprobs, prompt_logprobs)
 
     async def _migrate(self, flight: Flight, failure: LegFailed) -> None:
         """Move the request to other instances, resuming after the tokens already streamed; raises

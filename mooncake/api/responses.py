@@ -4,12 +4,12 @@ or several choices (`n`, and a batch of prompts), and their usage."""
 import codecs
 
 
-def usage(flights: list, n: int = 1) -> dict:
+def usage(flights: list, n: int = 1, generates: bool = True) -> dict:
     """Each prompt counted once (its `n` choices are consecutive flights); the completion tokens of every
-    choice."""
+    choice (none without `generates`: echo with max_tokens 0)."""
     prompts = [flights[i:i + n] for i in range(0, len(flights), n)]
     num_prompt = sum(len(choices[0].prompt_token_ids) for choices in prompts)
-    completion = sum(f.num_completion_tokens for f in flights)
+    completion = sum(f.num_completion_tokens for f in flights) if generates else 0
     cached = sum(max(f.num_cached_tokens for f in choices) for choices in prompts)
     return {"prompt_tokens": num_prompt, "completion_tokens": completion, "total_tokens": num_prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -31,7 +31,7 @@ class Shape:
         return out
 
     def _choice(self, index, text, token_ids, finish_reason, key: str, first: bool = False,
-                logprobs=None) -> dict:
+                logprobs=None, prompt_logprobs=None) -> dict:
         shown = None if logprobs is None else self._logprobs(index, token_ids, logprobs)
         if self.chat:
             content = {"role": "assistant", "content": text} if first or key == "message" else (
@@ -39,6 +39,8 @@ class Shape:
             choice = {"index": index, key: content, "finish_reason": finish_reason, "logprobs": shown}
         else:
             choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": shown}
+            if prompt_logprobs is not None:  # vLLM's (mooncake/api/echo.py)
+                choice["prompt_logprobs"] = prompt_logprobs
         if self.with_token_ids:
             choice["token_ids"] = token_ids
         return choice
@@ -61,25 +63,28 @@ class Shape:
             text_len += len(decoder.decode(raw or b""))
         self._text_so_far[index] = (text_len, decoder)
         texts = [_text(*tok) for tok in chosen]
-        return {"tokens": texts, "token_logprobs": [lp.logprob for lp in logprobs],
+        # NOTE: an echoed prompt's first token has none (None), as in OpenAI's and vLLM's answers.
+        return {"tokens": texts, "token_logprobs": [lp and lp.logprob for lp in logprobs],
                 # NOTE: as vLLM: the chosen token is among its top_logprobs even when not one of the likeliest.
-                "top_logprobs": [{**{_text(t, self.tokenizer.token_bytes(t)): v for t, v in lp.top}, text: lp.logprob}
-                                 for text, lp in zip(texts, logprobs)],
+                "top_logprobs": [lp and {**{_text(t, self.tokenizer.token_bytes(t)): v for t, v in lp.top},
+                                         text: lp.logprob} for text, lp in zip(texts, logprobs)],
                 "text_offset": offsets}
 
     def whole(self, outs: list[tuple], usage) -> dict:
-        """`outs`: (text, token ids, finish reason, logprobs or None) of each choice, in index order."""
+        """`outs`: (text, token ids, finish reason, logprobs or None, prompt logprobs or None) of each choice,
+        in index order."""
         key = "message" if self.chat else "text"
-        choices = [self._choice(i, text, ids, reason, key, logprobs=logprobs)
-                   for i, (text, ids, reason, logprobs) in enumerate(outs)]
+        choices = [self._choice(i, text, ids, reason, key, logprobs=logprobs, prompt_logprobs=prompt)
+                   for i, (text, ids, reason, logprobs, prompt) in enumerate(outs)]
         return self._envelope("chat.completion" if self.chat else "text_completion", choices, usage)
 
-    def chunk(self, index, text, token_ids, finish_reason, first: bool = False, logprobs=None) -> dict:
+    def chunk(self, index, text, token_ids, finish_reason, first: bool = False, logprobs=None,
+              prompt_logprobs=None) -> dict:
         if self.chat:
             return self._envelope("chat.completion.chunk",
                                   [self._choice(index, text, token_ids, finish_reason, "delta", first, logprobs)])
-        return self._envelope("text_completion",
-                              [self._choice(index, text, token_ids, finish_reason, "text", logprobs=logprobs)])
+        return self._envelope("text_completion", [self._choice(index, text, token_ids, finish_reason, "text",
+                                                               logprobs=logprobs, prompt_logprobs=prompt_logprobs)])
 
     def usage_chunk(self, usage) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage)

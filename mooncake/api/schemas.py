@@ -1,7 +1,7 @@
 """OpenAI request bodies -> a checked `ParsedRequest`; every problem is an ApiError naming the field,
 answered as HTTP 400 with an OpenAI-style error body. Unsupported options are refused, not ignored."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jinja2
 
@@ -33,6 +33,10 @@ class ParsedRequest:
     include_usage: bool
     n: int = 1  # choices per prompt: each its own request (with seed + i when a seed is given)
     cache_salt: str = ""  # vLLM's: a prefix cache of its own, shared only with requests of the same salt
+    # completions only (mooncake/api/echo.py)
+    echo: bool = False  # each choice's text, token ids and logprobs start with its prompt's
+    generates: bool = True  # False (`max_tokens: 0` with echo): the prompt alone; the token computed is dropped
+    shows_prompt_logprobs: bool = False  # vLLM's `prompt_logprobs`: each choice lists its prompt's
 
     @property
     def num_choices(self) -> int:
@@ -61,7 +65,7 @@ _MISSING = object()
 _COMMON = {"model", "n", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop",
            "stop_token_ids", "ignore_eos", "logprobs", "return_token_ids", "cache_salt", "user", "best_of",
            "presence_penalty", "frequency_penalty", "logit_bias"}
-COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "echo", "suffix"})
+COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "echo", "suffix", "prompt_logprobs"})
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                    "tool_choice", "parallel_tool_calls"})
 NEUTRAL = {"min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,), "skip_special_tokens": (True,),
@@ -194,7 +198,7 @@ def _common(body: dict, limits: ModelLimits, prompts: list[list[int]], max_token
     if len(prompts) * n > MAX_BATCH_CHOICES:
         raise bad(f"{len(prompts)} prompts with n = {n} make {len(prompts) * n} choices; at most "
                   f"{MAX_BATCH_CHOICES} in one request", "prompt", "invalid_value")
-    for name, allowed in (("best_of", (1, n)), ("echo", (False,)), ("presence_penalty", (0, 0.0)),
+    for name, allowed in (("best_of", (1, n)), ("presence_penalty", (0, 0.0)),
                           ("frequency_penalty", (0, 0.0)), ("logit_bias", (None, {})), ("suffix", (None,))):
         _refuse(body, name, allowed)
     if not all(prompts):
@@ -210,7 +214,8 @@ def _common(body: dict, limits: ModelLimits, prompts: list[list[int]], max_token
     if max_tokens is None:
         max_tokens = min(default_max_tokens, room)
     elif max_tokens < 1:
-        raise bad(f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens", "invalid_value")
+        needs = " (0 only with 'echo': true, for the prompt's logprobs alone)" if max_tokens == 0 else ""
+        raise bad(f"'max_tokens' must be at least 1{needs}, got {max_tokens}", "max_tokens", "invalid_value")
     elif max_tokens > room:
         raise bad(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context length "
                   f"{limits.max_model_len}; ask for at most {room}", "max_tokens", "context_length_exceeded")
@@ -259,7 +264,14 @@ def parse_completion(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
     if any(not 0 <= t < limits.vocab_size for p in batch if isinstance(p, list) for t in p):
         raise bad(f"prompt token ids must be in [0, {limits.vocab_size})", "prompt", "invalid_value")
     prompts = [tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in batch]
-    return _common(body, limits, prompts, "max_tokens", 16, _completion_logprobs(body))
+    echo = _field(body, "echo", (bool,), False)
+    generates = not (echo and body.get("max_tokens") == 0)  # NOTE: as vLLM: one token is computed, and dropped
+    logprobs = _completion_logprobs(body)
+    parsed = _common(body if generates else {**body, "max_tokens": 1}, limits, prompts, "max_tokens", 16, logprobs)
+    shown = None if body.get("prompt_logprobs") is None else _logprobs_count(body, "prompt_logprobs")
+    wanted = [k for k in (shown, logprobs if echo else None) if k is not None]
+    params = replace(parsed.params, prompt_logprobs=max(wanted)) if wanted else parsed.params
+    return replace(parsed, params=params, echo=echo, generates=generates, shows_prompt_logprobs=shown is not None)
 
 
 def _is_id(t) -> bool:

@@ -20,6 +20,7 @@ import uuid
 
 from aiohttp import web
 
+from mooncake.api.echo import Echo
 from mooncake.api.edge import TENANT, Edge, check_exposure, limit_connections, read_body, tls_context
 from mooncake.api.responses import Shape, usage
 from mooncake.api.schemas import (ApiError, ModelLimits, bad, check_model, parse_chat, parse_completion,
@@ -194,21 +195,23 @@ class ApiServer:
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         shape = Shape(chat, response_id, int(time.time()), parsed.model, body.get("return_token_ids") is True,
                       self.door.tokenizer)
+        echo = Echo(parsed, flights, self.door.tokenizer)
         if parsed.stream:
-            return await self._stream(request, flights, shape, parsed.include_usage, parsed.n)
+            return await self._stream(request, flights, shape, parsed, echo)
         asked = parsed.params.logprobs is not None
-        outs = [("", [], None, [] if asked else None)] * len(flights)
+        outs = [("", [], None, [] if asked else None, None)] * len(flights)
 
         async def add(i, event):
-            text, token_ids, _, logprobs = outs[i]
+            event, shown = echo(i, event)
+            text, token_ids, _, logprobs, prompt_logprobs = outs[i]
             outs[i] = (text + event.text, token_ids + event.token_ids, event.finish_reason,
-                       logprobs + (event.logprobs or []) if asked else None)
+                       logprobs + (event.logprobs or []) if asked else None, prompt_logprobs or shown)
         try:
             await self._relay(flights, add)
         except RequestError as exc:
             raise ApiError(400 if exc.is_invalid else 500, str(exc), type_="invalid_request_error"
                            if exc.is_invalid else "server_error", code="request_failed") from None
-        return web.json_response(shape.whole(outs, usage(flights, parsed.n)))
+        return web.json_response(shape.whole(outs, usage(flights, parsed.n, parsed.generates)))
 
     async def _submit(self, parsed) -> list:
         """One request per choice, in choice order (prompt j's choice i, with seed + i when a seed is given);
@@ -251,13 +254,13 @@ class ApiServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _stream(self, request, flights: list, shape: Shape, include_usage: bool, n: int = 1):
+    async def _stream(self, request, flights: list, shape: Shape, parsed, echo: Echo):
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         held: dict[int, list] = {}  # per choice: events not sent yet (api.stream_interval), after its first
         interval = self.cfg.stream_interval
 
-        async def send(i, event):
+        async def send(i, event, shown=None):
             if interval > 1:  # NOTE: a choice's first event and its last go at once, the rest by `interval`
                 if i in held:
                     held[i].append(event)
@@ -266,7 +269,10 @@ class ApiServer:
                     event = _merged(held[i])
                 held[i] = []
             await _send(response, shape.chunk(i, event.text, event.token_ids, event.finish_reason,
-                                              logprobs=event.logprobs))
+                                              logprobs=event.logprobs, prompt_logprobs=shown))
+
+        async def relay(i, event):
+            await send(i, *echo(i, event))
 
         async def flush():  # what the choices were holding, before the stream ends otherwise
             for i, events in list(held.items()):
@@ -277,9 +283,9 @@ class ApiServer:
             if shape.chat:
                 for i in range(len(flights)):
                     await _send(response, shape.chunk(i, "", [], None, first=True))
-            await self._relay(flights, send)
-            if include_usage:
-                await _send(response, shape.usage_chunk(usage(flights, n)))
+            await self._relay(flights, relay)
+            if parsed.include_usage:
+                await _send(response, shape.usage_chunk(usage(flights, parsed.n, parsed.generates)))
         except RequestError as exc:
             await flush()
             await _send(response, ApiError(500, str(exc), type_="server_error", code="request_failed").body())

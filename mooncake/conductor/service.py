@@ -196,10 +196,12 @@ class Conductor:
         remaining = flight.params.max_tokens
         if self.cfg.mode == "colocated":
             return await self._start_colocated_leg(flight, now, avoid)
-        view = RequestView(flight.request_id, len(tokens), tuple(hashes), remaining, now)
+        # NOTE: a prompt whose logprobs are wanted is computed whole, on one instance (no reuse, no CPP)
+        whole = flight.params.prompt_logprobs is not None
+        view = RequestView(flight.request_id, len(tokens), () if whole else tuple(hashes), remaining, now)
         pool_nodes = self.pool.live_ids if self.pool is not None else frozenset()
         cpp = self.decider.policy.cpp
-        stages = cpp.stages if cpp is not None and len(tokens) > cpp.threshold_tokens else 1
+        stages = cpp.stages if cpp is not None and len(tokens) > cpp.threshold_tokens and not whole else 1
         cluster = cluster_view(self.registry, self.flights, self.block_size, self.block_bytes, pool_nodes, now,
                                avoid, group_stages=stages, idle_step_s=self.estimators.decode_step.predict(1, 0),
                                output_lengths=self.estimators.output_length)

@@ -119,7 +119,7 @@ class DecodeWorker(Worker):
         for out in outputs:
             by_api.setdefault(reply_to.get(out.request_id, ""), []).append(m.Tokens(
                 request_id=out.request_id, token_ids=out.new_token_ids, finish_reason=out.finish_reason,
-                logprobs=out.logprobs))
+                logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs))
             if out.finished:
                 self.engine.pop_completion(out.request_id)
                 self.reports.forget(out.request_id)

@@ -19,10 +19,22 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+@dataclass(frozen=True)
+class PromptRows:
+    """Logits rows [row, row + count) of a batch are positions [first, first + count) of `seq`'s prompt:
+    row k gives the log-probability of prompt token first + k + 1 (`Sequence.wants_prompt_logprobs`)."""
+
+    seq: Sequence
+    row: int
+    first: int
+    count: int
+
+
 def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.device,
-                dtype: torch.dtype = torch.float32) -> tuple[ForwardBatch, list[Sequence]]:
-    """The step's batch, and the sequences whose next token the returned logits give, in row order."""
-    input_ids, logits_indices, sampled = [], [], []
+                dtype: torch.dtype = torch.float32) -> tuple[ForwardBatch, list[Sequence], list[PromptRows]]:
+    """The step's batch, the sequences whose next token the returned logits give (their rows first, in
+    row order), and the rows after those that give prompt tokens' logprobs."""
+    input_ids, logits_indices, sampled, prompt_rows = [], [], [], []
     # NOTE: decodes longest context first, so rows of close lengths sit together (decode_groups).
     decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: -s.seq.num_computed_tokens)
     prefills = [s for s in scheduled if s.num_new_tokens > 1]
@@ -30,7 +42,9 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.de
     # arithmetic they would do (a step may batch hundreds of decodes).
     positions = [s.seq.num_computed_tokens for s in decodes]
     slots = [s.seq.block_table[p // block_size] * block_size + p % block_size for s, p in zip(decodes, positions)]
-    for item in decodes:
+    prompt_indices = []
+    for item in decodes:  # NOTE: a prompt's chunk may be one token when the step's budget was nearly spent
+        _prompt_rows(item, len(input_ids), prompt_rows, prompt_indices)
         input_ids.append(item.seq.token_slice(item.seq.num_computed_tokens, item.seq.num_computed_tokens + 1)[0])
         if item.samples:
             logits_indices.append(len(input_ids) - 1)
@@ -39,6 +53,7 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.de
     prefill_positions = []
     for item, table in zip(prefills, prefill_tables):
         start = item.seq.num_computed_tokens
+        _prompt_rows(item, len(input_ids), prompt_rows, prompt_indices)
         input_ids.extend(item.seq.token_slice(start, start + item.num_new_tokens))
         item_positions = torch.arange(start, start + item.num_new_tokens)
         prefill_positions.append(item_positions)
@@ -58,6 +73,8 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.de
         spans.append(PrefillSpan(start=offset, num_tokens=item.num_new_tokens, context_slots=context.to(device)))
         offset += item.num_new_tokens
 
+    prompt_rows = [PromptRows(r.seq, r.row + len(sampled), r.first, r.count) for r in prompt_rows]
+    logits_indices += prompt_indices
     batch = ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.cat([torch.tensor(positions, dtype=torch.long)] + prefill_positions).to(device),
@@ -67,7 +84,17 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.de
         prefills=tuple(spans),
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
     )
-    return batch, sampled
+    return batch, sampled, prompt_rows
+
+
+def _prompt_rows(item: ScheduledSeq, offset: int, rows: list[PromptRows], indices: list[int]) -> None:
+    """The rows of `item`'s positions (from `offset` in the flat batch) whose next token is a prompt token,
+    when its prompt's logprobs are wanted."""
+    start = item.seq.num_computed_tokens
+    count = min(start + item.num_new_tokens, len(item.seq.prompt_token_ids) - 1) - start
+    if item.seq.wants_prompt_logprobs and count > 0:
+        rows.append(PromptRows(item.seq, len(indices), start, count))
+        indices.extend(range(offset, offset + count))
 
 
 PAD_SHARE = 0.25  # a decode row joins a group if padding it to the group's longest is within this share

@@ -16,7 +16,7 @@ from mooncake.engine.batch import build_batch
 from mooncake.engine.block_pool import BlockPool
 from mooncake.engine.kv_cache import PagedKVCache
 from mooncake.engine.kv_import import PendingImport
-from mooncake.engine.sampler import logprobs_of, sample
+from mooncake.engine.sampler import logprobs_of, prompt_logprobs_of, sample
 from mooncake.sampling import SamplingParams, TokenLogprob
 from mooncake.engine.scheduler import Scheduler
 from mooncake.engine.sequence import Sequence
@@ -40,6 +40,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first token: one per prompt token but the first
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Completion:
     ttft_s: float
     total_s: float
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token but the first, when asked
 
 
 class LLMEngine:
@@ -214,7 +216,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        batch, sampled = build_batch(scheduled, self.block_size, self.device, self.dtype)
+        batch, sampled, prompt_rows = build_batch(scheduled, self.block_size, self.device, self.dtype)
         filled = self._filling(scheduled) if self.layer_sink is not None else []
         sink = self.layer_sink
         on_layer = (lambda layer: sink(layer, filled, None)) if filled else None
@@ -223,6 +225,10 @@ class LLMEngine:
             if filled and self.runner.models_time:
                 self._hand_over_modelled_layers(filled, started, self.runner.modelled_step_s or 0.0)
             self.scheduler.on_computed(scheduled)
+            if prompt_rows:
+                for r, logprobs in zip(prompt_rows, prompt_logprobs_of(logits, prompt_rows)):
+                    r.seq.prompt_logprobs[r.first:] = logprobs  # NOTE: a preempted prompt's are computed again
+                logits = logits[:len(sampled)]
             tokens = sample(logits, sampled)
             if None in tokens:
                 logits, sampled, tokens = self._drop_unsampled(logits, sampled, tokens)
@@ -305,7 +311,8 @@ class LLMEngine:
                           finish_reason=seq.finish_reason, num_prompt_tokens=len(seq.prompt_token_ids),
                           num_cached_tokens=seq.num_cached_tokens,
                           ttft_s=(seq.first_token_s or now) - seq.arrival_s, total_s=now - seq.arrival_s,
-                          logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None)
+                          logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                          prompt_logprobs=_prompt_logprobs(seq))
 
     # -- KV export / import ----------------------------------------------------------------------
 
@@ -395,6 +402,7 @@ class LLMEngine:
                      logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:
         outputs, now = [], time.perf_counter()
         for seq, token, logprob in zip(seqs, tokens, logprobs):
+            prompt_logprobs = _prompt_logprobs(seq) if not seq.output_token_ids else None
             seq.output_token_ids.append(token)
             if logprob is not None:
                 seq.output_logprobs.append(logprob)
@@ -408,7 +416,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason, free=not seq.keep_kv)
             outputs.append(RequestOutput(seq.seq_id, [token], reason is not None, reason,
                                          len(seq.prompt_token_ids), seq.num_cached_tokens,
-                                         None if logprob is None else [logprob]))
+                                         None if logprob is None else [logprob], prompt_logprobs))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -430,3 +438,14 @@ class LLMEngine:
                 seq.matched_stop = stop
                 return True
         return False
+
+
+def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob] | None:
+    """Its prompt's logprobs (one per token but the first), when it asked for them."""
+    if seq.params.prompt_logprobs is None:
+        return None
+    if len(seq.prompt_logprobs) != len(seq.prompt_token_ids) - 1:  # NOTE: a bug; its API process fails it alone
+        log.error("request %s: %d of its prompt's %d logprobs were computed", seq.seq_id, len(seq.prompt_logprobs),
+                  len(seq.prompt_token_ids) - 1)
+        return None
+    return list(seq.prompt_logprobs)

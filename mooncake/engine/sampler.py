@@ -42,6 +42,22 @@ def logprobs_of(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -
     return out
 
 
+def prompt_logprobs_of(logits: torch.Tensor, rows: list) -> list[list[TokenLogprob]]:
+    """Per `PromptRows` (mooncake/engine/batch.py) of `logits`, the log-probability and rank of each prompt
+    token its rows predict, with its sequence's `prompt_logprobs` likeliest alternatives."""
+    out = []
+    for r in rows:
+        logp = torch.log_softmax(logits[r.row:r.row + r.count].float(), dim=-1)
+        targets = torch.tensor(r.seq.prompt_token_ids[r.first + 1:r.first + 1 + r.count], device=logp.device)
+        chosen = logp.gather(1, targets[:, None])
+        ranks = ((logp > chosen).sum(dim=-1) + 1).tolist()
+        k = r.seq.params.prompt_logprobs
+        values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        out.append([TokenLogprob(lp, list(zip(i, v)), rank)
+                    for lp, i, v, rank in zip(chosen[:, 0].tolist(), ids.tolist(), values.tolist(), ranks)])
+    return out
+
+
 def _sample_one(logits: torch.Tensor, seq: Sequence) -> int | None:
     params = seq.params
     logits = logits / params.temperature

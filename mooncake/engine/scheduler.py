@@ -56,7 +56,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and not (self.serial_prefill and prefilling)):
             seq = self.waiting[0]
-            if not seq.block_table and self.enable_prefix_cache:
+            # NOTE: a prompt whose logprobs are wanted computes every token: cached ones have no logits
+            if not seq.block_table and self.enable_prefix_cache and not seq.wants_prompt_logprobs:
                 self._reuse_prefix(seq)
             n = min(seq.num_uncomputed_tokens, self.prefill_chunk, budget)
             if not self._reserve(seq, n):

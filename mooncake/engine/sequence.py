@@ -24,6 +24,7 @@ class Sequence:
     keep_kv: bool = False  # on finish, hold the blocks until the engine is told to release them
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of prompt token i + 1 at i, when asked
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache or an import
@@ -49,6 +50,12 @@ class Sequence:
         if end <= num_prompt:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether its steps compute its prompt's logprobs: asked for, and no token out yet (a recompute after
+        that has them already)."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

@@ -44,6 +44,7 @@ class _Job:
     compute_seconds: float = 0.0  # time of the steps that computed some of its prompt
     first_token: int | None = None
     first_logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
 
 
@@ -166,8 +167,8 @@ class PrefillWorker(Worker):
     async def _read_pool(self, job: _Job) -> list[KVPayload]:
         """The blocks the conductor said to reuse that this instance does not hold, from the cache pool."""
         msg = job.msg
-        if self.cache is None or msg.reuse_blocks <= 0:
-            return []
+        if self.cache is None or msg.reuse_blocks <= 0 or msg.sampling.get("prompt_logprobs") is not None:
+            return []  # NOTE: a prompt whose logprobs are wanted is computed whole (the conductor reuses none)
         local = len(self.engine.pool.match_prefix(msg.block_hashes[:msg.reuse_blocks]))
         wanted = msg.block_hashes[local:msg.reuse_blocks]
         if not wanted:
@@ -222,6 +223,7 @@ class PrefillWorker(Worker):
                 self._push_new_blocks(job)  # the last chunk's blocks (all of them, without stream_kv)
                 job.first_token, job.finish_reason = out.new_token_ids[0], out.finish_reason
                 job.first_logprob = out.logprobs[0] if out.logprobs else None
+                job.prompt_logprobs = out.prompt_logprobs
                 self.spawn_for(job.msg.request_id, self._hand_off(job), "the hand-off")
 
     def _push_new_blocks(self, job: _Job) -> None:
@@ -306,7 +308,7 @@ class PrefillWorker(Worker):
         done, num_forwarded = await self.loop.call(self._complete, msg.request_id)
         await self.report(msg.request_id, m.PrefillDone(
             request_id=msg.request_id, first_token=job.first_token, finish_reason=job.finish_reason,
-            first_logprob=job.first_logprob,
+            first_logprob=job.first_logprob, prompt_logprobs=job.prompt_logprobs,
             num_cached_tokens=done.num_cached_tokens, num_computed_tokens=num_forwarded,
             num_kv_blocks_sent=job.num_sent_blocks if msg.decode_address else 0,
             kv_bytes=sum(r.num_bytes for r in results if r), kv_seconds=sum(r.seconds for r in results if r), prefill_seconds=time.perf_counter() - job.received_s,

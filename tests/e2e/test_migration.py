@@ -96,10 +96,6 @@ def story(max_tokens: int = 1500) -> dict:
             "ignore_eos": True, "temperature": 0}
 
 
-def undisturbed(cluster, body: dict) -> list[int]:
-    return Stream(cluster.url, body).result()
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
 def test_a_decode_instance_lost_mid_stream_costs_the_stream_nothing(cluster, sig):
     body = {**story(), "logprobs": 0}
@@ -130,7 +126,7 @@ def test_a_decode_instance_lost_mid_stream_costs_the_stream_nothing(cluster, sig
 
 
 def test_a_prefill_instance_killed_before_the_first_token_costs_the_request_nothing(cluster):
-    body = story(max_tokens=40)
+    body = {**story(max_tokens=40), "echo": True, "logprobs": 1}  # the new leg's prefill computes them again
     cluster.kill("prefill-0", signal.SIGSTOP)  # an idle cluster places a new prompt on prefill-0 (ties by id)
     try:
         stream = Stream(cluster.url, body)
@@ -141,7 +137,10 @@ def test_a_prefill_instance_killed_before_the_first_token_costs_the_request_noth
         cluster.kill("prefill-0", signal.SIGKILL)
         cluster.spawn(cluster.process("prefill-0"))
     cluster.wait_ready(120)
-    assert tokens == undisturbed(cluster, body)
+    reference = Stream(cluster.url, body)
+    assert tokens == reference.result() and len(tokens) > 40  # echo: the prompt's tokens, then the answer's
+    assert stream.logprobs[0] is None and len(stream.logprobs) == len(tokens)
+    assert stream.logprobs[1:] == pytest.approx(reference.logprobs[1:], abs=2e-3)
     assert_idle(cluster, 10)
 
 

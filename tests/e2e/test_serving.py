@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -221,6 +222,62 @@ def test_logprobs_with_the_openai_client_are_the_models_across_the_hand_off(clus
     assert [t.logprob for p in pieces if p for t in p.content] == pytest.approx([t.logprob for t in content])
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_echo_and_prompt_logprobs_are_the_models_over_the_prompt_as_lm_eval_asks(cluster, tiny_dir):
+    """lm-evaluation-harness's loglikelihood request (a batch of token-id prompts, echo, max_tokens 1, logprobs
+    1) and vLLM's prompt_logprobs: every prompt token's logprob but the first (null) equals transformers', even
+    for a prompt whose blocks the prefix cache and the pool hold (they are computed again); the answer's own
+    token comes after the hand-off as without echo. Echo with max_tokens 0 is the prompt alone."""
+    from tests.conftest import hf_reference
+    hf = hf_reference(tiny_dir)
+    tail = [hf.tokenizer(f"{uuid.uuid4().hex} {word} and what follows")["input_ids"] for word in ("moon", "cake")]
+    shared = hf.tokenizer(f"{uuid.uuid4().hex} " + "a prefix every prompt shares, " * 6)["input_ids"]
+    prompts = [shared + t for t in tail]
+    completion(cluster, shared, max_tokens=2)  # the shared blocks are cached now
+    lm_eval = {"prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True, "seed": 1234}
+    reply = completion(cluster, **lm_eval)
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    plain = completion(cluster, prompts, max_tokens=1, logprobs=1)
+    for prompt, choice, alone in zip(prompts, sorted(reply["choices"], key=lambda c: c["index"]), plain["choices"]):
+        lp = choice["logprobs"]
+        ref = hf.logprobs(prompt[:1], prompt[1:])
+        assert choice["token_ids"] == prompt + alone["token_ids"] and len(lp["tokens"]) == len(prompt) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:-1] == pytest.approx([ref[i, t].item() for i, t in enumerate(prompt[1:])],
+                                                          abs=2e-3)
+        assert all(max(top.values()) == pytest.approx(ref[i].max().item(), abs=2e-3)
+                   for i, top in enumerate(lp["top_logprobs"][1:-1]))
+        assert lp["token_logprobs"][-1] == pytest.approx(alone["logprobs"]["token_logprobs"][0], abs=1e-5)
+        assert choice["text"].endswith(alone["text"]) and lp["text_offset"] == sorted(lp["text_offset"])
+    only = completion(cluster, prompts[0], max_tokens=0, echo=True, logprobs=0, prompt_logprobs=2)
+    choice = only["choices"][0]
+    assert choice["token_ids"] == prompts[0] and choice["finish_reason"] == "length"
+    assert only["usage"]["completion_tokens"] == 0 and choice["text"] == hf.tokenizer.decode(prompts[0])
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(lp_of(reply, 0)[1:-1], abs=1e-5)
+    shown = choice["prompt_logprobs"]
+    assert shown[0] is None and len(shown) == len(prompts[0])
+    for token, entry, value in zip(prompts[0][1:], shown[1:], lp_of(reply, 0)[1:-1]):
+        others = [e["rank"] for key, e in entry.items() if key != str(token)]  # the likeliest two, but itself
+        assert entry[str(token)]["logprob"] == pytest.approx(value, abs=1e-5) and entry[str(token)]["rank"] >= 1
+        assert set(others) <= {1, 2} and len(others) in (1, 2)
+    status, refused = post(cluster.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0})
+    assert status == 400 and refused["error"]["param"] == "max_tokens" and "echo" in refused["error"]["message"]
+    streamed = [json.loads(line[6:]) for line in stream_lines(cluster, {**lm_eval, "prompt": prompts[0]})]
+    values = [v for e in streamed if e["choices"] for v in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert values[0] is None and values[1:] == pytest.approx(lp_of(reply, 0)[1:], abs=1e-5)
+
+
+def lp_of(reply: dict, index: int) -> list:
+    return next(c for c in reply["choices"] if c["index"] == index)["logprobs"]["token_logprobs"]
+
+
+def stream_lines(cluster, body: dict) -> list[bytes]:
+    """The data lines of a streamed completion, [DONE] left out."""
+    req = urllib.request.Request(cluster.url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": "tiny", "temperature": 0, **body, "stream": True}).encode())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return [line for line in r if line.startswith(b"data: {")]
 
 
 def test_only_the_roles_that_run_a_model_load_torch(cluster):

@@ -252,3 +252,15 @@ def test_a_stages_chunks_keep_the_emulated_devices_clock_when_the_host_hands_bac
             assert end == pytest.approx(start + modelled, abs=0.002)
         gaps = [later[0] - earlier[1] for earlier, later in zip(chunks, chunks[1:])]
         assert all(gap == 0 for gap in gaps) if back_to_back else all(gap >= 0.015 for gap in gaps)
+
+
+def test_prompt_logprobs_at_each_position_are_what_that_prefix_alone_would_sample_from(cfg):
+    """Rows inside a prefill chunk (prompt logprobs) read the context up to their own position."""
+    engine = LLMEngine(cfg)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 300, 150)]  # two of 64 and one of 22
+    asked = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    out, _ = run(engine, prompt, asked)
+    assert len(out.prompt_logprobs) == len(prompt) - 1 and out.token_ids == run(engine, prompt)[0].token_ids[:2]
+    for end in (1, 40, 64, 65, 100, 149):  # prefix prompt[:end]: its row predicts prompt[end]
+        alone, _ = run(engine, prompt[:end], SamplingParams(max_tokens=1, logprobs=3))
+        assert out.prompt_logprobs[end - 1].top == alone.logprobs[0].top

@@ -2,7 +2,7 @@
 64 new tokens, on the tiny random model and on the real SmolLM2: (a) a fresh prompt, (b) a prompt whose
 prefix comes from the local cache, (c) KV exported after prefill and imported into a second engine,
 (d) 8 prompts decoded together with continuous batching, half of them joining mid-way. And (e) the
-log-probabilities the engine reports equal transformers' over the same tokens."""
+log-probabilities the engine reports equal transformers' over the same tokens, (f) over the prompt too."""
 
 import random
 
@@ -133,3 +133,26 @@ def test_e_logprobs_are_the_models_raw_distribution(setup):
             assert all(row[t].item() == pytest.approx(v, abs=tol) for t, v in lp.top)
     greedy_out = asked[0]
     assert all(lp.top[0][0] == t for t, lp in zip(greedy_out.token_ids, greedy_out.logprobs))  # greedy: the likeliest
+
+
+def test_f_prompt_logprobs_are_the_models_over_every_prompt_token(setup):
+    """A prompt over several chunks, whose blocks the prefix cache holds (they are computed anyway: cached
+    tokens have no logits), batched with a request that decodes meanwhile."""
+    cfg, engine, hf = setup
+    first, ids = prompts(engine, 2, prefix=SHARED)
+    engine.generate([ids], SamplingParams(max_tokens=1))  # its blocks are in the prefix cache now
+    busy = engine.add_request(first, SamplingParams(max_tokens=24, ignore_eos=True))
+    engine.step()
+    rid = engine.add_request(ids, SamplingParams(max_tokens=3, ignore_eos=True, logprobs=1, prompt_logprobs=4))
+    busy_out, out = run_to_end(engine, [busy, rid])
+    assert len(ids) > 2 * cfg.prefill_chunk and out.num_cached_tokens == 0
+    assert busy_out.prompt_logprobs is None and len(busy_out.token_ids) == 24
+    ref = hf.logprobs(ids[:1], ids[1:])  # the distribution of each prompt token after the first
+    assert len(out.prompt_logprobs) == len(ids) - 1
+    tol = 2e-3
+    for row, token, lp in zip(ref, ids[1:], out.prompt_logprobs):
+        assert lp.logprob == pytest.approx(row[token].item(), abs=tol)
+        assert row.topk(lp.rank).values[-1].item() == pytest.approx(row[token].item(), abs=tol)  # its rank
+        assert [t for t, _ in lp.top] == row.topk(4).indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(row.topk(4).values.tolist(), abs=tol)
+    assert out.token_ids == hf.greedy(ids, 3)  # the answer is as without prompt logprobs
