@@ -128,7 +128,7 @@ class ErrorReply(Message, tag="error"):
 # -- conductor <-> instances (one DEALER per instance to the conductor's ROUTER) -----------------------
 
 # The sampling fields instances need, by name; values are checked again when SamplingParams is built.
-Sampling = dict[str, int | float | bool | None | list[int]]
+Sampling = dict[str, int | float | bool | str | None | list[int]]
 
 class Register(Message, tag="register"):
     """Instance or API process -> conductor, on start (and when a new conductor does not know it): who it

@@ -18,6 +18,7 @@ MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's default limit)
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # per stop string
 MAX_STOP_TOKEN_IDS = 128
+MAX_GRAMMAR_CHARS = 1 << 16  # a structured output's grammar: travels in every message of the request
 SEED_LIMIT = 2**63  # seeds in [0, SEED_LIMIT): what every wire codec and torch's generator take
 INT_LIMIT = 2**31  # counts and token ids are below it (a request's true limits, context and vocabulary, are lower)
 # Temperatures in (0, MIN_TEMPERATURE) are raised to it, as vLLM does: logits / 1e-300 overflow to inf and the
@@ -50,6 +51,10 @@ class SamplingParams:
     # The same for each prompt token after the first (prefill computes them, so the prompt's prefix cache is
     # not used): OpenAI's `echo` with `logprobs`, and vLLM's `prompt_logprobs`.
     prompt_logprobs: int | None = None
+    # Structured output: an llguidance grammar (mooncake/engine/grammar.py) every sampled token must follow;
+    # the prompt's last `grammar_done` tokens were generated under it already (a leg that resumes).
+    grammar: str | None = None
+    grammar_done: int = 0
     # The root of the request's block hash chain (hashing.salt_root): 0 shares the prefix cache; a salted
     # request's blocks are its salt's alone, on every role that hashes them.
     prefix_root: int = 0
@@ -85,6 +90,10 @@ class SamplingParams:
             _check_int("stop_token_ids", token_id, 0, INT_LIMIT)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _check_int("prefix_root", self.prefix_root, 0, 2**64)
+        _check_int("grammar_done", self.grammar_done, 0, INT_LIMIT)
+        if self.grammar is not None and (not isinstance(self.grammar, str) or len(self.grammar) > MAX_GRAMMAR_CHARS):
+            raise InvalidRequestError(f"a structured output's grammar must be text of at most {MAX_GRAMMAR_CHARS} "
+                                      "characters", "grammar")
 
     @property
     def is_greedy(self) -> bool:
@@ -108,12 +117,13 @@ def _check_number(name: str, value, low: float) -> None:
         raise InvalidRequestError(f"{name} must be >= {low:g}, got {value}", name)
 
 
-def wire_sampling(params: SamplingParams, max_tokens: int | None = None, prompt: bool = True) -> dict:
+def wire_sampling(params: SamplingParams, max_tokens: int | None = None, resumed: int = 0) -> dict:
     """The sampling fields instances need, as messages carry them; stop strings stay with the API process
-    (it matches them on text). Without `prompt`, no prompt logprobs: a leg that resumes after generated
-    tokens, or decode after prefill, has none to compute."""
+    (it matches them on text). `resumed`: the tokens already generated, at the end of the leg's prompt (decode
+    after prefill, a migrated leg): the grammar replays them, and there are no prompt logprobs to compute."""
     wire = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
             "seed": params.seed, "ignore_eos": params.ignore_eos, "stop_token_ids": list(params.stop_token_ids),
             "logprobs": params.logprobs, "prefix_root": params.prefix_root,
-            "prompt_logprobs": params.prompt_logprobs if prompt else None}
+            "prompt_logprobs": None if resumed else params.prompt_logprobs, "grammar": params.grammar,
+            "grammar_done": resumed}
     return wire if max_tokens is None else {**wire, "max_tokens": max_tokens}

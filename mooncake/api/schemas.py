@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 
 import jinja2
 
+from mooncake.api import structured
 from mooncake.sampling import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SEED_LIMIT, SamplingParams
 from mooncake.errors import InvalidRequestError, MooncakeError
 from mooncake.text import encode_chat
@@ -64,7 +65,7 @@ _MISSING = object()
 # is refused unless it has its neutral value (NEUTRAL, _refuse); `user` is an end-user id (no effect here).
 _COMMON = {"model", "n", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop",
            "stop_token_ids", "ignore_eos", "logprobs", "return_token_ids", "cache_salt", "user", "best_of",
-           "presence_penalty", "frequency_penalty", "logit_bias"}
+           "presence_penalty", "frequency_penalty", "logit_bias", *structured.FIELDS}
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "echo", "suffix", "prompt_logprobs"})
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                    "tool_choice", "parallel_tool_calls"})
@@ -225,12 +226,13 @@ def _common(body: dict, limits: ModelLimits, prompts: list[list[int]], max_token
     _known(options, {"include_usage", "continuous_usage_stats"}, limits.strict_fields, "stream_options.")
     include_usage = _field(options, "include_usage", (bool,), False)
     try:
+        grammar = structured.grammar_of(body)
         params = SamplingParams(
             max_tokens=max_tokens, temperature=float(_field(body, "temperature", (int, float), 1.0)),
             top_p=float(_field(body, "top_p", (int, float), 1.0)), top_k=_field(body, "top_k", (int,), 0),
             seed=_field(body, "seed", (int,), None), stop=_stop(body),
             stop_token_ids=_stop_token_ids(body, limits),
-            ignore_eos=_field(body, "ignore_eos", (bool,), False), logprobs=logprobs)
+            ignore_eos=_field(body, "ignore_eos", (bool,), False), logprobs=logprobs, grammar=grammar)
     except InvalidRequestError as exc:
         raise bad(str(exc), exc.param, "invalid_value") from None
     if params.temperature > 2:
@@ -285,9 +287,6 @@ def parse_chat(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _known(body, CHAT_FIELDS, limits.strict_fields)
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise bad(f"'response_format' = {body['response_format']!r}: structured outputs are not supported by this "
-                  f"server yet (only {{\"type\": \"text\"}})", "response_format", "unsupported_parameter")
     if body.get("tools"):
         raise bad("'tools': tool calling is not supported by this server yet", "tools", "unsupported_parameter")
     _refuse(body, "tool_choice", (None, "none", "auto"))  # NOTE: without tools both mean: no tool call

@@ -474,4 +474,4 @@ class Conductor:
 
 
 def _wire(params: SamplingParams) -> dict:
-    return wire_sampling(params, max_tokens=params.max_tokens)
+    return wire_sampling(params, max_tokens=params.max_tokens, resumed=params.grammar_done)

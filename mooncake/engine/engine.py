@@ -14,6 +14,7 @@ import torch
 from mooncake.config import EngineConfig
 from mooncake.engine.batch import build_batch
 from mooncake.engine.block_pool import BlockPool
+from mooncake.engine.grammar import Grammars
 from mooncake.engine.kv_cache import PagedKVCache
 from mooncake.engine.kv_import import PendingImport
 from mooncake.engine.sampler import logprobs_of, prompt_logprobs_of, sample
@@ -110,6 +111,7 @@ class LLMEngine:
         # step (nothing of it may leave before); else ready_at is None (ready now).
         self.layer_sink: Callable[[int | None, list[FilledBlocks], float | None], None] | None = None
         self._tokenizer = None
+        self.grammars = Grammars(lambda: self.tokenizer, self.runner.vocab_size, self.runner.eos_token_ids)
         log.info("engine ready: model %s (%s), %d KV blocks of %d tokens on %s/%s, %s prefill",
                  config.model, self.model.model_id, num_blocks, self.block_size, self.device, config.kv_dtype,
                  "serial" if self.scheduler.serial_prefill else "budget-batched")
@@ -167,6 +169,9 @@ class LLMEngine:
             generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         seq = Sequence(seq_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                        generator=generator, keep_kv=keep_kv)
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar, seq.prompt_token_ids[len(prompt_token_ids) -
+                                                                                     params.grammar_done:])
         seq.block_hashes = hash_blocks(seq.prompt_token_ids, self.block_size, self.namespace, params.prefix_root)
         return seq
 
@@ -229,7 +234,7 @@ class LLMEngine:
                 for r, logprobs in zip(prompt_rows, prompt_logprobs_of(logits, prompt_rows)):
                     r.seq.prompt_logprobs[r.first:] = logprobs  # NOTE: a preempted prompt's are computed again
                 logits = logits[:len(sampled)]
-            tokens = sample(logits, sampled)
+            tokens = sample(Grammars.mask(logits, [seq.matcher for seq in sampled]), sampled)
             if None in tokens:
                 logits, sampled, tokens = self._drop_unsampled(logits, sampled, tokens)
             outputs = self._postprocess(sampled, tokens, logprobs_of(logits, sampled, tokens))
@@ -402,6 +407,12 @@ class LLMEngine:
                      logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:
         outputs, now = [], time.perf_counter()
         for seq, token, logprob in zip(seqs, tokens, logprobs):
+            try:
+                complete = seq.matcher is not None and Grammars.advance(seq.matcher, token)
+            except InvalidRequestError as exc:  # NOTE: it fails alone, as one whose distribution is not finite
+                self.failed.append((seq.seq_id, str(exc)))
+                self.abort(seq.seq_id)
+                continue
             prompt_logprobs = _prompt_logprobs(seq) if not seq.output_token_ids else None
             seq.output_token_ids.append(token)
             if logprob is not None:
@@ -411,7 +422,7 @@ class LLMEngine:
             if seq.num_tokens % self.block_size == 0:  # a block just filled: extend the hash chain
                 parent = seq.block_hashes[-1] if seq.block_hashes else seq.params.prefix_root
                 seq.block_hashes.append(hash_block(parent, seq.token_ids[-self.block_size:], self.namespace))
-            reason = self._finish_reason(seq, token)
+            reason = "stop" if complete else self._finish_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason, free=not seq.keep_kv)
             outputs.append(RequestOutput(seq.seq_id, [token], reason is not None, reason,

@@ -25,6 +25,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of prompt token i + 1 at i, when asked
+    matcher: object = None  # its grammar's llguidance matcher, for a structured output (engine/grammar.py)
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache or an import

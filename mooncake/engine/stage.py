@@ -28,6 +28,7 @@ import msgpack
 import torch
 
 from mooncake.engine.runner import ForwardBatch, PrefillSpan
+from mooncake.engine.grammar import Grammars
 from mooncake.engine.sampler import logprobs_of, sample
 from mooncake.engine.sequence import Sequence
 from mooncake.errors import InvalidRequestError, KVPayloadError
@@ -220,14 +221,18 @@ class PipelineStage:
         if not params.is_greedy:
             generator = torch.Generator(device=engine.device)
             generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-        seq = Sequence(request_id, self.jobs[request_id].prompt, params, generator=generator)
+        prompt = self.jobs[request_id].prompt
+        seq = Sequence(request_id, prompt, params, generator=generator)
         logits = logits.float()
-        (token,) = sample(logits, [seq])
+        matcher = engine.grammars.matcher(params.grammar, prompt[len(prompt) - params.grammar_done:]) \
+            if params.grammar is not None else None
+        (token,) = sample(Grammars.mask(logits, [matcher]), [seq])
         if token is None:
             raise InvalidRequestError(f"request {request_id}: the model's next-token distribution is not finite "
                                       "(NaN or infinite logits)")
         (logprob,) = logprobs_of(logits, [seq], [token])
-        stops = token in params.stop_token_ids or (not params.ignore_eos and token in engine.runner.eos_token_ids)
+        stops = token in params.stop_token_ids or (not params.ignore_eos and token in engine.runner.eos_token_ids) \
+            or matcher is not None and Grammars.advance(matcher, token)
         return token, logprob, "stop" if stops else "length" if params.max_tokens <= 1 else None
 
     def end(self, request_id: str) -> None:

@@ -79,6 +79,9 @@ def served(tiny_dir):
     s.close()
 
 
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
 def ok_body(**extra):
     return {"model": "tiny", "prompt": "hello", "max_tokens": 4, **extra}
 
@@ -113,6 +116,22 @@ def ok_body(**extra):
                               "top_logprobs": -1}, "top_logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": 3},
      "logprobs"),
+    ("/v1/completions", ok_body(guided_regex="[a-z"), "guided_regex"),
+    ("/v1/completions", ok_body(guided_json="{not json"), "guided_json"),
+    ("/v1/completions", ok_body(guided_json={"type": "objectx"}), "guided_json"),
+    ("/v1/completions", ok_body(guided_choice=[]), "guided_choice"),
+    ("/v1/completions", ok_body(structured_outputs={"regex": "a+", "choice": ["a"]}), "structured_outputs.choice"),
+    ("/v1/completions", ok_body(structured_outputs={"whitespace_pattern": " "}), "structured_outputs.whitespace_pattern"),
+    ("/v1/completions", ok_body(structured_outputs={"grammar": "start: (("}), "structured_outputs.grammar"),
+    ("/v1/completions", ok_body(guided_json={"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}),
+     "guided_json"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+     "response_format.json_schema"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "(("}}}}, "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a"},
+     "guided_regex"),
     ("/v1/chat/completions", {"model": "tiny"}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]},
@@ -128,9 +147,6 @@ def test_bad_requests_get_a_400_naming_the_field(served, path, body, param):
     assert reply["error"]["message"]
 
 
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
-
-
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", ok_body(foo_bar=1), "foo_bar"),
     ("/v1/completions", ok_body(min_p=0.1), "min_p"),
@@ -138,14 +154,10 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     ("/v1/completions", ok_body(presence_penalty=0.5), "presence_penalty"),
     ("/v1/completions", ok_body(frequency_penalty=0.5), "frequency_penalty"),
     ("/v1/completions", ok_body(logit_bias={"5": 10}), "logit_bias"),
-    ("/v1/completions", ok_body(guided_json={"type": "object"}), "guided_json"),
     ("/v1/completions", ok_body(stream=True, stream_options={"continuous_usage_stats": True}),
      "stream_options.continuous_usage_stats"),
     ("/v1/completions", ok_body(stream=True, stream_options={"include_usage": True, "bogus": 1}),
      "stream_options.bogus"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {}}},
-     "response_format"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "reasoning_effort": "high"}, "reasoning_effort"),
@@ -170,6 +182,10 @@ def test_a_field_the_server_does_not_honour_is_a_400_naming_it(served, path, bod
                                 skip_special_tokens=True, stream=True, stream_options={"include_usage": True})),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "text"}, "tool_choice": "none",
                               "parallel_tool_calls": False, "reasoning_effort": None}),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}}),
+    ("/v1/completions", ok_body(structured_outputs={"choice": ["yes", "no"], "regex": None})),
+    ("/v1/completions", ok_body(guided_grammar='root ::= "yes" | "no"')),
 ])
 def test_neutral_values_of_options_the_server_does_not_do_are_taken(served, path, body):
     status, reply, _ = served.request(path, body)

@@ -1,6 +1,7 @@
 """End to end over real processes (cache, conductor, prefill, decode), over tcp and over shm."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -278,6 +279,44 @@ def stream_lines(cluster, body: dict) -> list[bytes]:
                                  data=json.dumps({"model": "tiny", "temperature": 0, **body, "stream": True}).encode())
     with urllib.request.urlopen(req, timeout=60) as r:
         return [line for line in r if line.startswith(b"data: {")]
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "city": {"enum": ["Paris", "Rome", "Oslo"]}}}
+
+
+def test_structured_outputs_with_the_openai_client_parse_and_validate_whole_and_streamed(cluster):
+    """json_schema (strict) replies, 112 sampled ones (the first token from prefill, the rest from decode),
+    and vLLM's guided_choice and guided_regex on completions."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}}
+    messages = [{"role": "user", "content": "Describe a person."}]
+    replies = []
+    for seed in range(7):
+        reply = client.chat.completions.create(model="tiny", messages=messages, response_format=fmt, n=16,
+                                               temperature=1.0, seed=seed * 16, max_tokens=100)
+        replies += [c.message.content for c in reply.choices]
+        assert {c.finish_reason for c in reply.choices} == {"stop"}
+    people = [json.loads(r) for r in replies]
+    assert len(people) == 112 and all(set(p) == {"name", "age", "city"} and len(p["name"]) <= 12
+                                      and type(p["age"]) is int and 0 <= p["age"] <= 120
+                                      and p["city"] in ("Paris", "Rome", "Oslo") for p in people)
+    assert len(set(replies)) > 50
+    deltas = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=messages, response_format=fmt, temperature=1.0, seed=3, max_tokens=100, stream=True)
+        if c.choices]
+    assert json.loads("".join(deltas))["city"] in ("Paris", "Rome", "Oslo") and len(deltas) > 3
+    choice = client.completions.create(model="tiny", prompt="Is it?", max_tokens=10, temperature=1.0, seed=1,
+                                       extra_body={"guided_choice": ["yes", "no", "perhaps"]})
+    assert choice.choices[0].text in ("yes", "no", "perhaps")
+    regex = client.completions.create(model="tiny", prompt="A code:", max_tokens=20, temperature=1.0, seed=2,
+                                      extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{4}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{4}", regex.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=5, extra_body={"guided_regex": "[a-"})
 
 
 def test_only_the_roles_that_run_a_model_load_torch(cluster):
