@@ -37,6 +37,7 @@ class Stream:
     def __init__(self, url: str, body: dict):
         self.token_ids, self.finish_reason, self.error, self.done = [], None, None, threading.Event()
         self.logprobs = []  # when the body asks for them
+        self.text = ""
         data = json.dumps({**body, "stream": True, "return_token_ids": True}).encode()
         self.req = urllib.request.Request(url + "/v1/completions", data=data,
                                           headers={"Content-Type": "application/json"})
@@ -54,6 +55,7 @@ class Stream:
                         continue
                     choice = event["choices"][0]
                     self.token_ids += choice["token_ids"]
+                    self.text += choice["text"]
                     self.logprobs += (choice["logprobs"] or {}).get("token_logprobs", [])
                     self.finish_reason = choice["finish_reason"] or self.finish_reason
         finally:
@@ -121,6 +123,30 @@ def test_a_decode_instance_lost_mid_stream_costs_the_stream_nothing(cluster, sig
     lines = (cluster.workdir / "api-0.log").read_text().splitlines()
     assert any("outcome=ok" in line and f"completion_tokens={len(tokens)} " in line and "legs=2 " in line
                for line in lines)
+    cluster.wait_ready(120)
+    assert_idle(cluster, 10)
+
+
+def test_a_structured_output_keeps_its_grammar_across_a_decode_lost_mid_stream(cluster):
+    """The new leg's prefill replays the tokens streamed so far through the grammar and goes on under it: the
+    answer is the undisturbed one, and valid."""
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 300,
+              "maxItems": 300}
+    body = {**story(max_tokens=1500), "ignore_eos": False, "guided_json": schema}
+    reference = Stream(cluster.url, body)
+    reference.result()
+    stream = Stream(cluster.url, body)
+    wait_for(lambda: len(stream.token_ids) >= 50, 60, "the first streamed tokens")
+    [victim] = holders(cluster, "decode")
+    moved = migrations(cluster)
+    cluster.kill(victim, signal.SIGKILL)
+    try:
+        tokens = stream.result()
+        assert migrations(cluster) == moved + 1
+    finally:
+        cluster.spawn(cluster.process(victim))
+    assert tokens == reference.token_ids and stream.finish_reason == "stop"
+    assert len(json.loads(stream.text)) == 300 and all(0 <= v <= 9 for v in json.loads(stream.text))
     cluster.wait_ready(120)
     assert_idle(cluster, 10)
 

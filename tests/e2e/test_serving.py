@@ -230,6 +230,8 @@ def test_echo_and_prompt_logprobs_are_the_models_over_the_prompt_as_lm_eval_asks
     1) and vLLM's prompt_logprobs: every prompt token's logprob but the first (null) equals transformers', even
     for a prompt whose blocks the prefix cache and the pool hold (they are computed again); the answer's own
     token comes after the hand-off as without echo. Echo with max_tokens 0 is the prompt alone."""
+    if cluster.transport != "tcp":
+        pytest.skip("prompt logprobs travel in control messages, whatever the KV transport: tested over tcp")
     from tests.conftest import hf_reference
     hf = hf_reference(tiny_dir)
     tail = [hf.tokenizer(f"{uuid.uuid4().hex} {word} and what follows")["input_ids"] for word in ("moon", "cake")]
@@ -290,6 +292,8 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 def test_structured_outputs_with_the_openai_client_parse_and_validate_whole_and_streamed(cluster):
     """json_schema (strict) replies, 112 sampled ones (the first token from prefill, the rest from decode),
     and vLLM's guided_choice and guided_regex on completions."""
+    if cluster.transport != "tcp":
+        pytest.skip("the grammar travels in control messages, whatever the KV transport: tested over tcp")
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", timeout=120, max_retries=0)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}}
