@@ -10,12 +10,14 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
     return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The prompt's token ids of `messages` through the model's chat template (given `tools` when it renders
+    them: mooncake/api/tools.py)."""
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model's tokenizer has no chat template; send a plain prompt")
     # Render to text, then tokenize without adding specials: the template already holds them, and this
     # form behaves the same across transformers versions.
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=tools)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -60,7 +60,7 @@ class LightTokenizer:
         return self.decode([token_id]).encode()
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
-                            add_generation_prompt: bool = False) -> str:
+                            add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
         """The prompt text of `messages` (tokenize=False only: callers tokenize it themselves)."""
         if tokenize:
             raise ValueError("LightTokenizer.apply_chat_template renders text; tokenize it with __call__")
@@ -68,7 +68,7 @@ class LightTokenizer:
             raise InvalidRequestError("this model's tokenizer has no chat template; send a plain prompt")
         if self._compiled is None:
             self._compiled = _environment().from_string(self.chat_template)
-        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                      documents=None, **self.special_tokens)
 
 

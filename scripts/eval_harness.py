@@ -152,7 +152,8 @@ def main() -> int:
             runs[f"mooncake batch {batch}"] = run_lm_eval(python, task_dir, work / f"mooncake-{batch}",
                                                           "local-completions", model_args, batch, args.timeout)
     runs["transformers (hf)"] = run_lm_eval(python, task_dir, work / "hf", "hf",
-                                            f"pretrained={model_dir},dtype=float32", 1, args.timeout, ["--device", "cpu"])
+                                            f"pretrained={model_dir},dtype=float32", 1, args.timeout,
+                                            ["--device", "cpu"])
 
     shutil.rmtree(work, ignore_errors=True)
     reference = runs["transformers (hf)"][0]

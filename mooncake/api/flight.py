@@ -25,6 +25,7 @@ class StreamEvent:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None  # with the first token: one per prompt token but the first
+    tool_calls: list[dict] | None = None  # chat: tool calls whole since the last event (mooncake/api/tools.py)
 
 
 @dataclass

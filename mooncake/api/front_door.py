@@ -301,7 +301,8 @@ class FrontDoor:
         remaining = flight.params.max_tokens - len(flight.generated)
         hand_off = m.HandOff(done=msgspec.structs.replace(done, prompt_logprobs=None), decode_id=p.decode_id,
                              token_ids=flight.leg_token_ids, block_hashes=flight.block_hashes, go_on=go_on,
-                             reply_to=self.inbox.address, sampling=wire_sampling(flight.params, remaining, len(flight.generated)),
+                             reply_to=self.inbox.address,
+                             sampling=wire_sampling(flight.params, remaining, len(flight.generated)),
                              pool_first_block=p.reuse_blocks if len(p.prefill_ids) > 1 else None)
         # NOTE: the token is already counted in leg_token_ids (generated): decode continues after it
         flight.handed_off = hand_off if go_on else None

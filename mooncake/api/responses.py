@@ -31,11 +31,15 @@ class Shape:
         return out
 
     def _choice(self, index, text, token_ids, finish_reason, key: str, first: bool = False,
-                logprobs=None, prompt_logprobs=None) -> dict:
+                logprobs=None, prompt_logprobs=None, tool_calls=None) -> dict:
         shown = None if logprobs is None else self._logprobs(index, token_ids, logprobs)
         if self.chat:
             content = {"role": "assistant", "content": text} if first or key == "message" else (
-                {"content": text} if text or finish_reason is None else {})
+                {"content": text} if text or finish_reason is None and not tool_calls else {})
+            if tool_calls and key == "message":  # NOTE: OpenAI's: no text beside the calls is null content
+                content = {"role": "assistant", "content": text.strip() or None, "tool_calls": tool_calls}
+            elif tool_calls:
+                content["tool_calls"] = tool_calls
             choice = {"index": index, key: content, "finish_reason": finish_reason, "logprobs": shown}
         else:
             choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": shown}
@@ -71,18 +75,18 @@ class Shape:
                 "text_offset": offsets}
 
     def whole(self, outs: list[tuple], usage) -> dict:
-        """`outs`: (text, token ids, finish reason, logprobs or None, prompt logprobs or None) of each choice,
-        in index order."""
+        """`outs`: (text, token ids, finish reason, logprobs or None, prompt logprobs or None, tool calls or
+        None) of each choice, in index order."""
         key = "message" if self.chat else "text"
-        choices = [self._choice(i, text, ids, reason, key, logprobs=logprobs, prompt_logprobs=prompt)
-                   for i, (text, ids, reason, logprobs, prompt) in enumerate(outs)]
+        choices = [self._choice(i, text, ids, reason, key, logprobs=logprobs, prompt_logprobs=prompt, tool_calls=calls)
+                   for i, (text, ids, reason, logprobs, prompt, calls) in enumerate(outs)]
         return self._envelope("chat.completion" if self.chat else "text_completion", choices, usage)
 
     def chunk(self, index, text, token_ids, finish_reason, first: bool = False, logprobs=None,
-              prompt_logprobs=None) -> dict:
+              prompt_logprobs=None, tool_calls=None) -> dict:
         if self.chat:
-            return self._envelope("chat.completion.chunk",
-                                  [self._choice(index, text, token_ids, finish_reason, "delta", first, logprobs)])
+            return self._envelope("chat.completion.chunk", [self._choice(index, text, token_ids, finish_reason,
+                                                                         "delta", first, logprobs, None, tool_calls)])
         return self._envelope("text_completion", [self._choice(index, text, token_ids, finish_reason, "text",
                                                                logprobs=logprobs, prompt_logprobs=prompt_logprobs)])
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 import jinja2
 
 from mooncake.api import structured
+from mooncake.api.tools import ToolSpec, grammar_for, history_calls, parse_tools, render_turns, template_renders_tools
 from mooncake.sampling import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SEED_LIMIT, SamplingParams
 from mooncake.errors import InvalidRequestError, MooncakeError
 from mooncake.text import encode_chat
@@ -38,6 +39,7 @@ class ParsedRequest:
     echo: bool = False  # each choice's text, token ids and logprobs start with its prompt's
     generates: bool = True  # False (`max_tokens: 0` with echo): the prompt alone; the token computed is dropped
     shows_prompt_logprobs: bool = False  # vLLM's `prompt_logprobs`: each choice lists its prompt's
+    tools: ToolSpec | None = None  # chat: the tools it may call (mooncake/api/tools.py)
 
     @property
     def num_choices(self) -> int:
@@ -191,7 +193,7 @@ def _chat_logprobs(body: dict) -> int | None:
 
 
 def _common(body: dict, limits: ModelLimits, prompts: list[list[int]], max_tokens_key: str,
-            default_max_tokens: int, logprobs: int | None) -> ParsedRequest:
+            default_max_tokens: int, logprobs: int | None, tools: ToolSpec | None = None) -> ParsedRequest:
     model = check_model(_field(body, "model", (str,)), limits)
     n = _field(body, "n", (int,), 1)
     if not 1 <= n <= MAX_CHOICES:
@@ -227,6 +229,11 @@ def _common(body: dict, limits: ModelLimits, prompts: list[list[int]], max_token
     include_usage = _field(options, "include_usage", (bool,), False)
     try:
         grammar = structured.grammar_of(body)
+        if tools is not None and (forced := grammar_for(tools)):
+            if grammar is not None:
+                raise InvalidRequestError("'tool_choice' (required or a named function) and a structured output "
+                                          "cannot both constrain the answer", "tool_choice")
+            grammar = forced
         params = SamplingParams(
             max_tokens=max_tokens, temperature=float(_field(body, "temperature", (int, float), 1.0)),
             top_p=float(_field(body, "top_p", (int, float), 1.0)), top_k=_field(body, "top_k", (int,), 0),
@@ -246,7 +253,7 @@ def _common(body: dict, limits: ModelLimits, prompts: list[list[int]], max_token
     cache_salt = _field(body, "cache_salt", (str,), "")
     if len(cache_salt) > MAX_CACHE_SALT_CHARS:
         raise bad(f"'cache_salt' must be at most {MAX_CACHE_SALT_CHARS} characters", "cache_salt", "invalid_value")
-    return ParsedRequest(model, prompts, params, stream, include_usage, n, cache_salt)
+    return ParsedRequest(model, prompts, params, stream, include_usage, n, cache_salt, tools=tools)
 
 
 def parse_completion(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
@@ -287,15 +294,17 @@ def parse_chat(body, tokenizer, limits: ModelLimits) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _known(body, CHAT_FIELDS, limits.strict_fields)
-    if body.get("tools"):
-        raise bad("'tools': tool calling is not supported by this server yet", "tools", "unsupported_parameter")
-    _refuse(body, "tool_choice", (None, "none", "auto"))  # NOTE: without tools both mean: no tool call
-    ids = chat_prompt_ids(body, tokenizer, limits.strict_fields)
-    return _common(body, limits, [ids], "max_completion_tokens", limits.default_max_tokens, _chat_logprobs(body))
+    try:
+        tools = parse_tools(body, tokenizer.chat_template)
+    except InvalidRequestError as exc:
+        raise bad(str(exc), exc.param, "invalid_value") from None
+    ids = chat_prompt_ids(body, tokenizer, limits.strict_fields, tools)
+    return _common(body, limits, [ids], "max_completion_tokens", limits.default_max_tokens, _chat_logprobs(body),
+                   tools)
 
 
-def chat_prompt_ids(body: dict, tokenizer, strict: bool = True) -> list[int]:
-    """The token ids of a chat request's `messages`, through the model's chat template."""
+def chat_prompt_ids(body: dict, tokenizer, strict: bool = True, tools: ToolSpec | None = None) -> list[int]:
+    """The token ids of a chat request's `messages` (and its tools), through the model's chat template."""
     messages = _field(body, "messages", (list,))
     if not messages:
         raise bad("'messages' must not be empty", "messages")
@@ -305,9 +314,6 @@ def chat_prompt_ids(body: dict, tokenizer, strict: bool = True) -> list[int]:
         if not isinstance(msg, dict):
             raise bad(f"'{where}' must be an object with 'role' and 'content'", where, "invalid_type")
         _known(msg, MESSAGE_FIELDS, strict, where + ".")
-        if msg.get("tool_calls"):  # NOTE: the template would drop them: the model would not see its own calls
-            raise bad(f"'{where}.tool_calls': tool calling is not supported by this server yet", f"{where}.tool_calls",
-                      "unsupported_parameter")
         role = msg.get("role")
         if role not in ROLES:
             raise bad(f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
@@ -322,12 +328,22 @@ def chat_prompt_ids(body: dict, tokenizer, strict: bool = True) -> list[int]:
             content = "".join(parts)
         if content is None and role == "assistant":
             content = ""
+        turn = {}
+        if msg.get("tool_calls") and role == "assistant":
+            try:
+                turn["tool_calls"] = history_calls(msg, where)
+            except InvalidRequestError as exc:
+                raise bad(str(exc), exc.param, "invalid_value") from None
+        if role == "tool" and isinstance(msg.get("tool_call_id"), str):
+            turn["tool_call_id"] = msg["tool_call_id"]
         if not isinstance(content, str):
             raise bad(f"'{where}.content' must be a string or a list of text parts", f"{where}.content",
                       "invalid_type")
-        turns.append({"role": "system" if role == "developer" else role, "content": content})
+        turns.append({"role": "system" if role == "developer" else role, "content": content, **turn})
+    template = tokenizer.chat_template
+    listed = list(tools.tools) if tools is not None and template_renders_tools(template) else None
     try:
-        return encode_chat(tokenizer, turns)
+        return encode_chat(tokenizer, render_turns(turns, tools, template), listed)
     except InvalidRequestError as exc:
         raise bad(str(exc), "messages") from None
     except jinja2.TemplateError as exc:  # the model's template refuses this conversation (role order, ...)

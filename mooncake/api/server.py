@@ -26,6 +26,7 @@ from mooncake.api.responses import Shape, usage
 from mooncake.api.schemas import (ApiError, ModelLimits, bad, check_model, parse_chat, parse_completion,
                                   parse_detokenize, parse_tokenize)
 from mooncake.api.flight import StreamEvent
+from mooncake.api.tools import ToolCalls
 from mooncake.api.front_door import FrontDoor
 from mooncake.config import MooncakeConfig
 from mooncake.errors import MooncakeError, Rejected, RequestError, Unavailable
@@ -195,17 +196,18 @@ class ApiServer:
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         shape = Shape(chat, response_id, int(time.time()), parsed.model, body.get("return_token_ids") is True,
                       self.door.tokenizer)
-        echo = Echo(parsed, flights, self.door.tokenizer)
+        echo, tools = Echo(parsed, flights, self.door.tokenizer), ToolCalls(parsed.tools)
         if parsed.stream:
-            return await self._stream(request, flights, shape, parsed, echo)
+            return await self._stream(request, flights, shape, parsed, echo, tools)
         asked = parsed.params.logprobs is not None
-        outs = [("", [], None, [] if asked else None, None)] * len(flights)
+        outs = [("", [], None, [] if asked else None, None, None)] * len(flights)
 
         async def add(i, event):
-            event, shown = echo(i, event)
-            text, token_ids, _, logprobs, prompt_logprobs = outs[i]
+            event, shown = echo(i, tools(i, event))
+            text, token_ids, _, logprobs, prompt_logprobs, calls = outs[i]
             outs[i] = (text + event.text, token_ids + event.token_ids, event.finish_reason,
-                       logprobs + (event.logprobs or []) if asked else None, prompt_logprobs or shown)
+                       logprobs + (event.logprobs or []) if asked else None, prompt_logprobs or shown,
+                       (calls or []) + event.tool_calls if event.tool_calls else calls)
         try:
             await self._relay(flights, add)
         except RequestError as exc:
@@ -254,7 +256,7 @@ class ApiServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _stream(self, request, flights: list, shape: Shape, parsed, echo: Echo):
+    async def _stream(self, request, flights: list, shape: Shape, parsed, echo: Echo, tools: ToolCalls):
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         held: dict[int, list] = {}  # per choice: events not sent yet (api.stream_interval), after its first
@@ -269,10 +271,11 @@ class ApiServer:
                     event = _merged(held[i])
                 held[i] = []
             await _send(response, shape.chunk(i, event.text, event.token_ids, event.finish_reason,
-                                              logprobs=event.logprobs, prompt_logprobs=shown))
+                                              logprobs=event.logprobs, prompt_logprobs=shown,
+                                              tool_calls=event.tool_calls))
 
         async def relay(i, event):
-            await send(i, *echo(i, event))
+            await send(i, *echo(i, tools(i, event)))
 
         async def flush():  # what the choices were holding, before the stream ends otherwise
             for i, events in list(held.items()):
@@ -315,8 +318,9 @@ class ApiServer:
 def _merged(events: list) -> StreamEvent:
     """Consecutive events of one choice as one."""
     logprobs = None if events[0].logprobs is None else [lp for e in events for lp in e.logprobs or ()]
+    calls = [c for e in events for c in e.tool_calls or ()]
     return StreamEvent("".join(e.text for e in events), [t for e in events for t in e.token_ids],
-                       events[-1].finish_reason, logprobs)
+                       events[-1].finish_reason, logprobs, tool_calls=calls or None)
 
 
 def _seconds(s: float) -> str:

@@ -323,6 +323,51 @@ def test_structured_outputs_with_the_openai_client_parse_and_validate_whole_and_
         client.completions.create(model="tiny", prompt="x", max_tokens=5, extra_body={"guided_regex": "[a-"})
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "required": ["city"],
+                                                           "properties": {"city": {"type": "string", "maxLength": 10}},
+                                                           "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {},
+                                                                            "additionalProperties": False}}}
+
+
+def test_tool_calls_with_the_openai_client_whole_and_streamed(cluster):
+    """A required call and a named one parse (finish reason tool_calls, no content); streamed, the deltas
+    assemble to the whole answer; a history with calls and results is taken."""
+    if cluster.transport != "tcp":
+        pytest.skip("tool calls travel as text and grammars in control messages: tested over tcp")
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    messages = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
+    args = dict(model="tiny", messages=messages, tools=[WEATHER, CLOCK], temperature=0, max_tokens=150,
+                parallel_tool_calls=False)
+    for choice, names in (("required", {"get_weather", "get_time"}),
+                          ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"})):
+        whole = client.chat.completions.create(tool_choice=choice, **args).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content is None
+        [call] = whole.message.tool_calls
+        assert call.type == "function" and call.function.name in names and call.id.startswith("call_")
+        assert isinstance(json.loads(call.function.arguments), dict)
+        calls, reasons = {}, []
+        for chunk in client.chat.completions.create(tool_choice=choice, stream=True, **args):
+            for delta in chunk.choices[0].delta.tool_calls or ():
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            reasons.append(chunk.choices[0].finish_reason)
+        assert calls == {0: {"name": call.function.name, "arguments": call.function.arguments}}
+        assert reasons[-1] == "tool_calls"
+    named_args = json.loads(whole.message.tool_calls[0].function.arguments)
+    assert set(named_args) == {"city"} and len(named_args["city"]) <= 10
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                         "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    answer = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER, CLOCK], max_tokens=5,
+                                            tool_choice="none", temperature=0)
+    assert answer.choices[0].message.tool_calls is None and answer.usage.prompt_tokens > 100  # the tools are in it
+
+
 def test_only_the_roles_that_run_a_model_load_torch(cluster):
     """The cache node, the conductor and the API processes stay small: none maps libtorch."""
     def maps_torch(proc) -> bool:
