@@ -32,6 +32,10 @@ class DecodeGroup:
     stop: int
     context_slots: torch.Tensor  # [rows, max_context] padded context slots
     mask: torch.Tensor | None  # [rows, 1, 1, max_context] additive: 0 real, -inf padding; None: no padding
+    # [rows, ceil(max_context / block_size)] the same contexts as blocks (padded with block 0): gathering whole
+    # blocks moves the same bytes in far fewer, larger copies than gathering slots
+    block_table: torch.Tensor | None = None
+    block_size: int = 0
 
 
 @dataclass(frozen=True)
