@@ -93,6 +93,10 @@ class ConductorMetrics:
                                   registry=r)
         r.register(_VllmSeries(self, model_name))
 
+    def watch_index(self, index) -> None:
+        """Export the prefix index's blocks per holder (`mooncake_prefix_index_holder_blocks`)."""
+        self.registry.register(_IndexSeries(index))
+
     def record_cache_stats(self, node: str, stats: dict) -> None:
         """One cache node's `stats` reply (see mooncake/store/server.py) into the gauges and counters."""
         self.pool.nodes[node] = stats
@@ -152,6 +156,21 @@ class _PoolCounters:
             moved.add_metric([node, "in"], stats.get("bytes_in", 0))
             moved.add_metric([node, "out"], stats.get("bytes_out", 0))
         return [hits, misses, evictions, moved]
+
+
+class _IndexSeries:
+    """Blocks per holder (prefill instance or cache node) in the global prefix index, read at scrape time:
+    how far the index has heard of what each holder has."""
+
+    def __init__(self, index):
+        self.index = index
+
+    def collect(self):
+        family = GaugeMetricFamily("mooncake_prefix_index_holder_blocks", "Blocks per holder in the global "
+                                   "prefix index", labels=["holder"])
+        for holder, count in sorted(self.index.counts().items()):
+            family.add_metric([holder], count)
+        yield family
 
 
 class _VllmSeries:

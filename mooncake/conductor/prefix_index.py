@@ -16,6 +16,10 @@ class PrefixIndex:
         """How many blocks `holder` has in the index."""
         return self._counts.get(holder, 0)
 
+    def counts(self) -> dict[str, int]:
+        """Blocks per holder."""
+        return dict(self._counts)
+
     def add(self, holder: str, hashes: Iterable[int]) -> None:
         for h in hashes:
             holders = self._holders.setdefault(h, set())

@@ -51,6 +51,7 @@ class Conductor:
         self.metrics = ConductorMetrics(config.api.model_name or config.engine.model)
         self.registry = InstanceRegistry(self.cfg.heartbeat_timeout_s)
         self.index = PrefixIndex()
+        self.metrics.watch_index(self.index)
         self.estimators = Estimators.from_config(
             self.cfg, (self.cfg.prefill_c0_s, self.cfg.prefill_s_per_token, self.cfg.prefill_s_per_token2),
             (self.cfg.decode_step_s, self.cfg.decode_s_per_seq, self.cfg.decode_s_per_context_token),

@@ -55,6 +55,12 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def indexed(url: str, holders: str) -> float:
+    """Blocks the conductor's prefix index has heard of from the holders whose id starts with `holders`."""
+    series = f'mooncake_prefix_index_holder_blocks{{holder="{holders}'
+    return sum(v for k, v in metrics(url).items() if k.startswith(series))
+
+
 def wait_for(condition, timeout_s: float, what: str) -> None:
     """Poll `condition` until it holds; fail naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s

@@ -7,11 +7,10 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.e2e.conftest import make_cluster, metrics, post, wait_for
+from tests.e2e.conftest import indexed, make_cluster, metrics, post, wait_for
 from tests.e2e.test_migration import Stream, assert_idle, holders, story, undisturbed
 
 pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
@@ -58,11 +57,13 @@ def test_a_long_prompt_whose_prefix_is_in_the_pool_reads_it_on_every_stage(clust
     body = {"model": "tiny", "temperature": 0, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
     fetched = sum(v for k, v in metrics(cluster.url).items() if k.startswith("mooncake_kv_fetch_bytes"))
     pooled = sum(v for k, v in metrics(cluster.url).items() if k.startswith("mooncake_cache_blocks"))
+    known = indexed(cluster.url, "cache-")
     status, reply = post(cluster.url + "/v1/completions", {**body, "prompt": head})
     assert status == 200 and reply["usage"]["prompt_tokens"] <= 64, reply  # under the threshold: one instance
     wait_for(lambda: sum(v for k, v in metrics(cluster.url).items() if k.startswith("mooncake_cache_blocks"))
              >= pooled + reply["usage"]["prompt_tokens"] // 16, 10, "the short prompt's blocks in the pool")
-    time.sleep(0.5)  # the conductor's prefix index hears of them from the pool
+    wait_for(lambda: indexed(cluster.url, "cache-") >= known + reply["usage"]["prompt_tokens"] // 16, 10,
+             "the conductor's prefix index hears of them from the pool")
     logs = lambda: sum(((cluster.workdir / f"prefill-{i}.log").read_text().count("2-stage CPP pipeline")
                         for i in range(2)))
     groups = logs()
@@ -82,12 +83,13 @@ def test_a_groups_prompt_reaches_the_pool_through_decode_and_is_reused_from_ther
     prompt = "A long prompt that a group computes cold, and that decode then writes to the pool. " * 4
     body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": 6, "ignore_eos": True,
             "return_token_ids": True}
-    before = pooled()
+    before, known = pooled(), indexed(cluster.url, "cache-")
     status, first = post(cluster.url + "/v1/completions", body)
     assert status == 200 and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, first
     full_blocks = (first["usage"]["prompt_tokens"] - 1) // 16
     wait_for(lambda: pooled() >= before + full_blocks, 10, "the group's blocks in the pool")
-    time.sleep(0.5)  # the conductor's prefix index hears of them from the pool
+    wait_for(lambda: indexed(cluster.url, "cache-") >= known + full_blocks, 10,
+             "the conductor's prefix index hears of them from the pool")
     status, again = post(cluster.url + "/v1/completions", body)
     assert status == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] == full_blocks * 16, again
     assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]

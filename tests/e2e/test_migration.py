@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from tests.e2e.conftest import make_cluster, metrics, post, wait_for
+from tests.e2e.conftest import E2E_SETTINGS, indexed, make_cluster, metrics, post, wait_for
 from tests.e2e.test_fault import cache_stats
 
 pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
@@ -85,6 +85,10 @@ def assert_idle(cluster, timeout_s: float = 10.0) -> None:
     while held := busy(cluster):
         assert time.monotonic() < deadline, f"not idle after {timeout_s} s: {held}"
         time.sleep(0.1)
+
+
+def undisturbed(cluster, body: dict) -> list[int]:
+    return Stream(cluster.url, body).result()
 
 
 def migrations(cluster) -> float:
@@ -219,13 +223,13 @@ def test_a_client_that_goes_away_while_its_prefix_is_read_from_the_pool_leaves_n
 
     def pooled():
         return sum(cache_stats(cluster)["blocks"].values())
-    before_blocks = pooled()
+    before_blocks, before_indexed = pooled(), indexed(cluster.url, "cache-")
     computed = 'mooncake_prefill_computed_tokens_total{instance="prefill-0"}'
     computed_before = metrics(cluster.url).get(computed, 0.0)
     assert post(cluster.url + "/v1/completions", body)[0] == 200  # on prefill-0 and in the pool
     assert metrics(cluster.url).get(computed, 0.0) > computed_before, "the prompt was not computed on prefill-0"
     wait_for(lambda: pooled() >= before_blocks + 10, 10, "the prompt's blocks in the pool")  # written on the side
-    time.sleep(0.6)  # and announced to the conductor's index
+    wait_for(lambda: indexed(cluster.url, "cache-") >= before_indexed + 10, 10, "the pool's blocks in the index")
     cancelled = 'mooncake_requests_total{outcome="cancelled"}'
     before = metrics(cluster.url).get(cancelled, 0.0)
     cluster.kill("prefill-0", signal.SIGKILL)
@@ -251,9 +255,12 @@ def test_a_client_that_goes_away_while_its_prefix_is_read_from_the_pool_leaves_n
 
 def test_a_dead_cache_node_costs_no_request_a_timeout_and_is_used_again_when_back(cluster):
     body = story(max_tokens=4)
-    status, _ = post(cluster.url + "/v1/completions", body)  # its prefix is now in the pool and on prefill-0
+    before = indexed(cluster.url, "cache-"), indexed(cluster.url, "prefill-0")
+    status, reply = post(cluster.url + "/v1/completions", body)  # its prefix is now in the pool and on prefill-0
     assert status == 200
-    time.sleep(0.6)  # heartbeats and pool events: the index has it
+    blocks = reply["usage"]["prompt_tokens"] // E2E_SETTINGS["engine.block_size"]
+    wait_for(lambda: indexed(cluster.url, "cache-") >= before[0] + blocks and
+             indexed(cluster.url, "prefill-0") >= before[1] + blocks, 10, "heartbeats and pool events: the index has it")
     cluster.kill("cache-0", signal.SIGKILL)
     cluster.kill("prefill-0", signal.SIGKILL)  # the next request goes where only the pool had the prefix
     try:

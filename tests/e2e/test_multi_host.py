@@ -19,7 +19,7 @@ import pytest
 
 from mooncake.config import dump_config, load_config
 from mooncake.security import generate_keys
-from tests.e2e.conftest import E2E_SETTINGS
+from tests.e2e.conftest import E2E_SETTINGS, indexed, wait_for
 from tests.transfer.test_transport_contract import available
 
 pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
@@ -175,9 +175,11 @@ def test_greedy_completion_is_token_identical_to_mooncake_generate(cluster):
 
 def test_a_shared_prefix_is_served_as_cached_tokens(cluster):
     shared = f"{uuid.uuid4().hex} a system prompt shared by everyone, long enough to fill blocks. " * 2
+    known = indexed(cluster.url, "cache-")
     first = cluster.completion(shared + "First?", max_tokens=2)
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    time.sleep(0.5)  # the pool's add events reach the conductor's index
+    wait_for(lambda: indexed(cluster.url, "cache-") >= known + len(shared.encode()) // BLOCK, 10,
+             "the pool's add events reach the conductor's index")
     second = cluster.completion(shared + "Second, other question?", max_tokens=2)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(shared.encode()) // BLOCK * BLOCK
 

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from tests.e2e.conftest import make_cluster, metrics, post
+from tests.e2e.conftest import indexed, make_cluster, metrics, post, wait_for
 
 pytestmark = pytest.mark.slow  # make test skips it; make test-all and .ci/run run it
 
@@ -42,11 +42,13 @@ def test_a_shared_prefix_goes_where_it_is_cached_then_comes_from_the_pool(cluste
     prefix = f"{uuid.uuid4().hex}: a long shared preamble that fills ten blocks or so, " * 3
     cached = len(prefix.encode()) // BLOCK * BLOCK
     m0 = metrics(cluster.url)
+    known = {p: indexed(cluster.url, p) for p in ("prefill-0", "prefill-1")}
     complete(cluster, prefix + "first")
     m1 = metrics(cluster.url)
     (holder,) = [p for p in ("prefill-0", "prefill-1") if computed(m1, p) > computed(m0, p)]
     other = "prefill-1" if holder == "prefill-0" else "prefill-0"
-    time.sleep(0.6)  # three heartbeats: the holder's new blocks are in the conductor's index
+    wait_for(lambda: indexed(cluster.url, holder) >= known[holder] + cached // BLOCK, 10,
+             "the holder's new blocks in the conductor's index (its heartbeats)")
 
     second = complete(cluster, prefix + "second")
     m2 = metrics(cluster.url)
@@ -66,7 +68,8 @@ def test_a_shared_prefix_goes_where_it_is_cached_then_comes_from_the_pool(cluste
 
     # The fetch left a replica (hot-spot migration): `other` reported the blocks as its own, so the next
     # request reuses them locally and reads nothing from the pool.
-    time.sleep(0.6)
+    wait_for(lambda: indexed(cluster.url, other) >= known[other] + cached // BLOCK, 10,
+             "the replica's blocks in the conductor's index")
     fourth = complete(cluster, prefix + "fourth")
     m4 = metrics(cluster.url)
     assert fourth["usage"]["prompt_tokens_details"]["cached_tokens"] == cached

@@ -3,7 +3,6 @@ conductor's placement reuses them: its snapshot puts them back in the prefix ind
 announced blocks recovered from disk)."""
 
 import signal
-import time
 
 import pytest
 
@@ -26,9 +25,10 @@ def cluster(tiny_dir, tmp_path_factory):
 
 def test_a_restarted_cache_nodes_ssd_blocks_are_reused_through_placement(cluster):
     prompt = [10 + (i * 37) % 200 for i in range(NUM_BLOCKS * BLOCK)]
+    before = pooled(cluster)
     status, reply = post(cluster.url + "/v1/completions", {"model": "tiny", "prompt": prompt + [5], "max_tokens": 2})
     assert status == 200 and reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    time.sleep(1.0)  # the pool writes land and the older blocks are demoted to SSD
+    wait_for(lambda: pooled(cluster) >= before + NUM_BLOCKS, 10, "the pool writes land (the older on SSD)")
     for name in ("cache-0", "prefill-0"):  # the prefill instance's own copy goes too
         cluster.kill(name, signal.SIGKILL)
         cluster.spawn(cluster.process(name))
@@ -44,3 +44,8 @@ def test_a_restarted_cache_nodes_ssd_blocks_are_reused_through_placement(cluster
     # What was in DRAM died with the process; what had reached SSD is read back instead of computed.
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= (NUM_BLOCKS - 4) * BLOCK
     assert metrics(cluster.url).get(fetched, 0.0) > before
+
+
+def pooled(cluster) -> float:
+    """Blocks held in the pool, every node and tier, as the conductor last heard."""
+    return sum(v for k, v in metrics(cluster.url).items() if k.startswith("mooncake_cache_blocks{"))
