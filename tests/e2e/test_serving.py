@@ -348,6 +348,8 @@ def test_tool_calls_with_the_openai_client_whole_and_streamed(cluster):
         [call] = whole.message.tool_calls
         assert call.type == "function" and call.function.name in names and call.id.startswith("call_")
         assert isinstance(json.loads(call.function.arguments), dict)
+        if choice != "required":
+            continue  # NOTE: streamed once: the deltas' shape does not depend on the choice
         calls, reasons = {}, []
         for chunk in client.chat.completions.create(tool_choice=choice, stream=True, **args):
             for delta in chunk.choices[0].delta.tool_calls or ():

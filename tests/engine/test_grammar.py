@@ -29,7 +29,8 @@ def is_person(text: str) -> bool:
             and all(isinstance(t, bool) for t in value["tags"]))
 
 
-@pytest.fixture(scope="module", params=[TINY, pytest.param(REAL, marks=pytest.mark.real_model)])
+# NOTE: SmolLM2's run is in the slow tier (make test's time); tests/e2e/test_structured_real.py covers it there too
+@pytest.fixture(scope="module", params=[TINY, pytest.param(REAL, marks=[pytest.mark.real_model, pytest.mark.slow])])
 def engine(request):
     from mooncake.models.fetch import fetch_model
     return LLMEngine(EngineConfig(model=str(fetch_model(request.param)), block_size=16, num_kv_blocks=1024))
