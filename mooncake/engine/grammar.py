@@ -9,8 +9,6 @@ llguidance (MIT; a Rust core, no other dependency, masks computed on the CPU wha
 grammar engine vLLM's and SGLang's "guidance" backends use."""
 
 import llguidance
-import llguidance.hf
-import llguidance.torch as lltorch
 import torch
 
 from mooncake.errors import InvalidRequestError
@@ -31,6 +29,7 @@ class Grammars:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
+            import llguidance.hf  # NOTE: here, not at the top: it imports transformers
             eos = list(self.eos_token_ids) or None
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer(), n_vocab=self.vocab_size,
                                                            eos_token=eos)
@@ -55,11 +54,12 @@ class Grammars:
         if not rows:
             return logits
         vocab = logits.shape[-1]
-        bitmask = lltorch.allocate_token_bitmask(len(rows), vocab)
+        bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
         for j, i in enumerate(rows):
-            lltorch.fill_next_token_bitmask(matchers[i], bitmask, j)
-        # NOTE: unpacked here, not with llguidance.torch.apply_token_bitmask_inplace: its TorchScript compiles on
-        # first use, which held the engine thread (every stream of the instance) for 1.7 s.
+            row = bitmask[j]
+            matchers[i].unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        # NOTE: filled and unpacked here, not with llguidance.torch: importing it sets up torch.compile (7 s of
+        # every engine process's start here), and its apply compiled for 1.7 s on the engine thread at first use.
         allowed = (bitmask.unsqueeze(-1) >> _BITS) & 1  # [rows, words, 32]: bit b of word w is token 32w + b
         allowed = allowed.reshape(len(rows), -1)[:, :vocab].bool().to(logits.device)
         masked = logits.clone()
