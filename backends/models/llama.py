@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from backends.kernels import paged_attention
 from mooncake.engine.kv_cache import KVSpec
 from mooncake.engine.runner import ForwardBatch, ModelRunner
 from mooncake.errors import ModelError, UnsupportedModelError
@@ -42,6 +43,9 @@ class LlamaRunner(ModelRunner):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"{model_dir}: hidden_act {config.hidden_act!r}, only silu is supported")
         self._load_weights(model_dir, config)
+        # NOTE: on a CPU in float32, decode attention reads the paged cache in place (a C kernel built at
+        # first use); elsewhere, or without a compiler, it gathers K and V for torch's SDPA.
+        self.paged = paged_attention.load() if device.type == "cpu" and dtype == torch.float32 else None
         self.cos, self.sin = _rope_tables(config, self.head_dim, self.max_position_embeddings, device, dtype)
 
     def _load_weights(self, model_dir: Path, config) -> None:
@@ -147,6 +151,11 @@ class LlamaRunner(ModelRunner):
             qd = q[:nd].view(nd, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
             parts = []
             for group in batch.decode_groups:
+                if (self.paged is not None and group.context_lens is not None and group.block_table is not None
+                        and kv_layer.is_contiguous()):
+                    parts.append(self.paged.attend(q[group.start:group.stop], kv_layer, group.block_table,
+                                                   group.context_lens, group.block_size))
+                    continue
                 k, v = _gather_context(kv_layer, group).transpose(2, 3)
                 parts.append(F.scaled_dot_product_attention(qd[group.start:group.stop], k, v, attn_mask=group.mask))
             decode_out = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(nd, self.num_heads, self.head_dim)

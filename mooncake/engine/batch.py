@@ -127,7 +127,8 @@ def _decode_group(decodes: list[ScheduledSeq], lengths: list[int], start: int, s
         mask = torch.zeros(stop - start, 1, 1, max_len, dtype=dtype)
         mask.masked_fill_((torch.arange(max_len)[None, :] >= real[:, None])[:, None, None, :], float("-inf"))
         mask = mask.to(device)
-    return DecodeGroup(start, stop, slots.contiguous().to(device), mask, padded.to(device), block_size)
+    return DecodeGroup(start, stop, slots.contiguous().to(device), mask, padded.to(device), block_size,
+                       torch.tensor(lengths[start:stop], dtype=torch.long, device=device))
 
 
 def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

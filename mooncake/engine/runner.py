@@ -36,6 +36,7 @@ class DecodeGroup:
     # blocks moves the same bytes in far fewer, larger copies than gathering slots
     block_table: torch.Tensor | None = None
     block_size: int = 0
+    context_lens: torch.Tensor | None = None  # [rows] int64: each row's context length, its new token included
 
 
 @dataclass(frozen=True)

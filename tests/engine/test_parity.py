@@ -156,3 +156,21 @@ def test_f_prompt_logprobs_are_the_models_over_every_prompt_token(setup):
         assert [t for t, _ in lp.top] == row.topk(4).indices.tolist()
         assert [v for _, v in lp.top] == pytest.approx(row.topk(4).values.tolist(), abs=tol)
     assert out.token_ids == hf.greedy(ids, 3)  # the answer is as without prompt logprobs
+
+
+def test_g_decode_attention_gathers_where_there_is_no_kernel(setup):
+    """The paged attention kernel (backends/kernels/) serves decode on a CPU in float32 wherever it can be
+    built; without it (no compiler, or another device or dtype) decode gathers K and V for SDPA. Both give
+    transformers' tokens, for a batch of decodes whose contexts differ in length."""
+    from backends.kernels import paged_attention
+    cfg, engine, hf = setup
+    kernel = engine.runner.paged
+    assert (kernel is None) == (paged_attention.load() is None)
+    all_ids = prompts(engine, 3, prefix=SHARED)[:1] + prompts(engine, 2)
+    engine.runner.paged = None
+    try:
+        outs = engine.generate(all_ids, SamplingParams(max_tokens=16, ignore_eos=True))
+    finally:
+        engine.runner.paged = kernel
+    for ids, out in zip(all_ids, outs):
+        assert out.token_ids == hf.greedy(ids, 16)
