@@ -52,8 +52,8 @@ class DecodeWorker(Worker):
             await self.transport.stop()
 
     def heartbeat_report(self) -> dict:
-        seqs = self.engine.seqs
-        progress = [(rid, len(seq.output_token_ids)) for rid in self.reports.reply_to if (seq := seqs.get(rid))]
+        generated = self.loop.stats.output_tokens  # NOTE: as of the last gap between steps
+        progress = [(rid, generated[rid]) for rid in self.reports.reply_to if rid in generated]
         return {"num_inbox_blocks": len(self.inbox), "progress": progress}
 
     async def on_message(self, msg) -> None:
@@ -63,7 +63,7 @@ class DecodeWorker(Worker):
             self._admissions[msg.request_id] = self.spawn_for(msg.request_id, self._admit(msg), "admission")
         elif isinstance(msg, m.Cancel):
             if msg.block_hashes:
-                self.inbox.release_blocks(msg.block_hashes, self.engine.runner.kv_spec.num_layers)
+                self.inbox.release_blocks(msg.block_hashes, self.loop.facts.num_layers)
             await self.drop(msg.request_id)
             self.reports.forget(msg.request_id)
         else:
@@ -71,7 +71,7 @@ class DecodeWorker(Worker):
 
     async def _admit(self, msg: m.Decode) -> None:
         payloads = []
-        for data in self.inbox.claim_blocks(msg.block_hashes, self.engine.runner.kv_spec.num_layers):
+        for data in self.inbox.claim_blocks(msg.block_hashes, self.loop.facts.num_layers):
             try:
                 payloads.append(KVPayload.from_bytes(data))
             except KVPayloadError as exc:
@@ -87,7 +87,7 @@ class DecodeWorker(Worker):
                 if msg.pool_first_block is not None and self.pool.client is not None and kept > msg.pool_first_block:
                     await self._write_pool(msg.request_id, msg.pool_first_block, kept)
             else:
-                await self.loop.call(self.engine.add_request, msg.token_ids, params, msg.request_id)
+                await self.loop.add_request(msg.token_ids, params, msg.request_id)
         except (InvalidRequestError, TypeError) as exc:
             await self.report_failure(msg.request_id, str(exc), is_invalid=True)
         except MooncakeError as exc:
@@ -121,7 +121,7 @@ class DecodeWorker(Worker):
                 request_id=out.request_id, token_ids=out.new_token_ids, finish_reason=out.finish_reason,
                 logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs))
             if out.finished:
-                self.engine.pop_completion(out.request_id)
+                self.loop.pop_completion_now(out.request_id)
                 self.reports.forget(out.request_id)
         for address, reports in by_api.items():
             await self.reports.send_to(address, m.StepTokens(reports=reports) if len(reports) > 1 else reports[0])

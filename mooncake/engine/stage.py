@@ -3,7 +3,7 @@
 A group of X engines (prefill instances) splits the model's layers into X contiguous ranges
 (`stage_layers`). Each engine's `PipelineStage` computes its range over a prompt, chunk by chunk: the first
 stage from the token embeddings, each later one from the hidden states the stage before handed on
-(`encode_hidden` / `decode_hidden`: what crosses a stage boundary, checked end to end), the last one
+(`mooncake/hidden_payload.py`: what crosses a stage boundary, checked end to end), the last one
 ending in the logits of the prompt's last token, from which the first token is sampled. So only
 activations cross stages, and a stage starts chunk j + 1 while the next stage computes chunk j.
 
@@ -19,12 +19,10 @@ whose layers differ. A prompt's cached prefix (whole blocks from the cache pool)
 each stage copies its layers of it in, and the chunks start after it."""
 
 import queue
-import struct
 import threading
 import time
 from dataclasses import dataclass
 
-import msgpack
 import torch
 
 from mooncake.engine.runner import ForwardBatch, PrefillSpan
@@ -33,12 +31,9 @@ from mooncake.engine.sampler import logprobs_of, sample
 from mooncake.engine.sequence import Sequence
 from mooncake.errors import InvalidRequestError, KVPayloadError
 from mooncake.hashing import hash_blocks
-from mooncake.kv_mac import data_mac, data_mac_ok, header_digest
+from mooncake.hidden_payload import decode_hidden, encode_hidden
 from mooncake.kv_payload import KVPayload
 from mooncake.sampling import SamplingParams, TokenLogprob
-
-_PREFIX = struct.Struct("<IQ")  # header length, keyed digest of the header (as KV payloads, kv_payload.py)
-
 
 def reusable_blocks(num_tokens: int, block_size: int) -> int:
     """How many of a prompt's leading blocks a stage may take from the cache: all full ones before its
@@ -52,39 +47,6 @@ def stage_layers(num_layers: int, stages: int) -> list[range]:
         raise InvalidRequestError(f"cannot split {num_layers} layers into {stages} pipeline stages")
     bounds = [k * num_layers // stages for k in range(stages + 1)]
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
-def encode_hidden(hidden: torch.Tensor) -> bytes:
-    """Hidden states as they cross a stage boundary: u32 header length || u64 keyed digest of the header ||
-    msgpack header (dtype, shape, MAC of the data) || raw bytes (mooncake/kv_mac.py, as KV payloads)."""
-    host = hidden.detach().to("cpu").contiguous()
-    raw = host.view(torch.uint8).numpy().tobytes() if host.numel() else b""
-    header = msgpack.packb({"dtype": str(host.dtype).removeprefix("torch."), "shape": list(host.shape),
-                            "mac": data_mac(raw)})
-    return b"".join((_PREFIX.pack(len(header), header_digest(header)), header, raw))
-
-
-def decode_hidden(buf: bytes | memoryview, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The tensor `encode_hidden` wrote; KVPayloadError if any byte of it changed. A device copy waits for
-    the work queued on the device: call it off the event loop."""
-    view = memoryview(buf)
-    try:
-        length, header_sum = _PREFIX.unpack_from(view)
-        header_bytes = bytes(view[_PREFIX.size:_PREFIX.size + length])
-        if header_digest(header_bytes) != header_sum:
-            raise KVPayloadError("hidden states: the header fails its check (corrupted or forged)")
-        header = msgpack.unpackb(header_bytes)
-        raw = view[_PREFIX.size + length:]
-        if not data_mac_ok(raw, header["mac"]):
-            raise KVPayloadError("hidden states: the bytes fail their MAC (corrupted or forged)")
-        dtype = getattr(torch, header["dtype"])
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
-        host = flat.view(dtype).reshape(header["shape"])
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError, RuntimeError,
-            msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise KVPayloadError(f"hidden states: malformed ({exc})") from None
-    # NOTE: outside the try: a device's failure (out of memory) is the device's, not a corrupt payload.
-    return host.to(device)
 
 
 @dataclass

@@ -4,28 +4,81 @@ heartbeats, control messages). The engine is touched only between steps: callers
 it runs on the engine's thread between steps (a CPP stage's chunk), so the event loop stays free meanwhile. A second thread moves KV bytes while steps run:
 `add_request_with_kv` verifies and copies imported blocks there, and `export_kv` copies and checksums
 blocks out of the cache there (on a GPU, on a side stream: `PagedKVCache.export_blocks`), so neither
-stalls a step nor the event loop."""
+stalls a step nor the event loop.
+
+It is the one door into the engine for the roles (prefill/, decode/, instance/worker.py): they hold an
+EngineLoop, never the engine. What never changes after start is in `facts`; what changes is read from
+copies the loop takes between steps (`stats`, the prefix cache's mirror behind `prefix_length`,
+`take_cache_changes` and `cache_snapshot`); changes go through `call` and the named calls (`add_request`,
+`abort`, `complete`); the few reads an `on_outputs` makes between steps (`forwarded_tokens`,
+`num_full_blocks`, `pop_completion_now`) raise if a step is running; CPP stages come from
+`pipeline_stage`."""
 
 import asyncio
 import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from mooncake.config import EngineConfig
 from mooncake.engine import LLMEngine
-from mooncake.engine.engine import FilledBlocks, RequestOutput
+from mooncake.engine.engine import Completion, FilledBlocks, RequestOutput
+from mooncake.engine.stage import PipelineStage, reusable_blocks, stage_layers
+from mooncake.errors import InvalidRequestError
 from mooncake.runtime import Supervisor
 
 log = logging.getLogger(__name__)
 
+CACHE_LOG_LIMIT = 1 << 16  # prefix-cache changes kept for the next heartbeat; beyond, a snapshot is due
 OnOutputs = Callable[[list[RequestOutput]], Awaitable[None]]
 OnFailed = Callable[..., Awaitable[None]]  # (request ids, why, is_invalid=False): those requests ended here
 
 
+@dataclass(frozen=True)
+class EngineFacts:
+    """What does not change once the engine has started: read it from any thread."""
+
+    model_id: str
+    block_size: int
+    num_layers: int
+    num_kv_blocks: int
+    serial_prefill: bool  # the scheduler computes one prompt's chunk per step (engine.prefill_batching)
+    time_coefficients: tuple[list[float], list[float]] | None  # ModelRunner.time_coefficients
+    transfer_s_per_block: float  # ModelRunner.transfer_seconds of one block (an emulated model's network)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine as of the last moment between two steps (what a heartbeat reports)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_kv_blocks_used: int = 0
+    output_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens it generated here
+
+
 class EngineLoop:
+    @classmethod
+    async def start_engine(cls, config: EngineConfig, on_outputs: OnOutputs, on_failed: OnFailed) -> "EngineLoop":
+        """Load an engine of `config` (seconds of weights: off the event loop's thread) and its loop."""
+        return cls(await asyncio.to_thread(LLMEngine, config), on_outputs, on_failed)
+
     def __init__(self, engine: LLMEngine, on_outputs: OnOutputs, on_failed: OnFailed):
         self.engine = engine
+        runner = engine.runner
+        self.facts = EngineFacts(
+            model_id=engine.model.model_id, block_size=engine.block_size, num_layers=runner.kv_spec.num_layers,
+            num_kv_blocks=engine.pool.num_blocks, serial_prefill=engine.scheduler.serial_prefill,
+            time_coefficients=runner.time_coefficients(),
+            transfer_s_per_block=runner.transfer_seconds(engine.block_size))
+        self.stats = EngineStats(num_kv_blocks_used=engine.pool.num_used)
+        self._stepping = False  # a step (or a long call) runs on the engine thread
+        self._cached: set[int] = set(engine.pool.hash_to_block)  # the prefix cache's keys, as of the last gap
+        self._cache_log: deque[tuple[str, int]] = deque()  # its changes since the last take_cache_changes
+        self._cache_log_lost = False  # more changes than the engine's event log keeps: a snapshot is due
+        self._stages: dict[tuple[int, int], PipelineStage] = {}
         self.on_outputs = on_outputs
         self.on_failed = on_failed
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
@@ -157,7 +210,11 @@ class EngineLoop:
                     continue
                 try:
                     if on_engine_thread:
-                        result = await loop.run_in_executor(self._executor, fn)
+                        self._stepping = True
+                        try:
+                            result = await loop.run_in_executor(self._executor, fn)
+                        finally:
+                            self._stepping = False
                         previous_end = None  # the device was busy with it: the next step starts after it
                     else:
                         result = fn()
@@ -168,12 +225,16 @@ class EngineLoop:
                     if not future.done():
                         future.set_result(result)
             if not self.engine.has_unfinished():
+                self._between_steps()
                 previous_end = None
                 continue
+            self._between_steps()
             since = previous_end or time.perf_counter()
+            self._stepping = True
             try:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step, since)
             except Exception as exc:  # noqa: BLE001  fail its requests, keep serving
+                self._stepping = False
                 log.exception("engine step failed; failing every request in the engine")
                 request_ids = list(self.engine.seqs)
                 for request_id in request_ids:
@@ -183,6 +244,8 @@ class EngineLoop:
                 await self.on_failed(request_ids, f"engine step failed: {exc}")
                 previous_end = None
                 continue
+            self._stepping = False
+            self._between_steps()
             if failed := self.engine.drain_failed():  # sequences a step failed alone; the rest went on
                 for request_id, error in failed:
                     await self.on_failed([request_id], error, is_invalid=True)
@@ -200,6 +263,114 @@ class EngineLoop:
                               for o in outputs if (s := self.engine.seqs.get(o.request_id)) is not None)
                 self.step_samples.append((len(outputs), context, seconds))
             await self.on_outputs(outputs)
+
+    # -- the door: requests -----------------------------------------------------------------------------
+
+    async def add_request(self, prompt_token_ids: list[int], params, request_id: str, keep_kv: bool = False) -> str:
+        """A request with nothing imported enters the engine between two steps."""
+        return await self.call(self.engine.add_request, prompt_token_ids, params, request_id, (), keep_kv)
+
+    async def abort(self, request_id: str) -> None:
+        """The request leaves the engine between two steps, freeing what it holds (none: nothing)."""
+        await self.call(self.engine.abort, request_id)
+
+    async def complete(self, request_id: str) -> tuple[Completion, int]:
+        """A finished request that kept its KV: its completion and how many prompt tokens this engine
+        computed; its blocks are freed."""
+        def pop():
+            num_forwarded = self.engine.seqs[request_id].num_forwarded_tokens
+            return self.engine.pop_completion(request_id), num_forwarded
+        return await self.call(pop)
+
+    # -- the door: reads between steps, from on_outputs ---------------------------------------------------
+
+    def forwarded_tokens(self, request_id: str) -> int | None:
+        """Prompt tokens the request has computed here so far; None once it has left the engine."""
+        seq = self._idle().seqs.get(request_id)
+        return None if seq is None else seq.num_forwarded_tokens
+
+    def num_full_blocks(self, request_id: str) -> int:
+        return self._idle().num_full_blocks(request_id)
+
+    def pop_completion_now(self, request_id: str) -> Completion:
+        """A finished request's completion, from on_outputs (it frees the blocks it kept)."""
+        return self._idle().pop_completion(request_id)
+
+    def abort_now(self, request_id: str) -> None:
+        self._idle().abort(request_id)
+
+    def _idle(self) -> LLMEngine:
+        if self._stepping:
+            raise RuntimeError("the engine was read while a step runs: read it from on_outputs or through call()")
+        return self.engine
+
+    # -- the door: the prefix cache, as of the last gap between steps -------------------------------------
+
+    def prefix_length(self, block_hashes: list[int]) -> int:
+        """How many leading blocks of `block_hashes` the prefix cache held at the last gap between steps
+        (the engine matches again when the request enters, so a block evicted since is computed)."""
+        n = 0
+        while n < len(block_hashes) and block_hashes[n] in self._cached:
+            n += 1
+        return n
+
+    def take_cache_changes(self) -> tuple[list[int], list[int]] | None:
+        """(added, evicted) block hashes since the last take or snapshot; None when more changed than the
+        engine's log keeps (send `cache_snapshot()` instead)."""
+        if self._cache_log_lost:
+            return None
+        added, evicted = [], []
+        while self._cache_log:
+            kind, block_hash = self._cache_log.popleft()
+            (added if kind == "add" else evicted).append(block_hash)
+        return added, evicted
+
+    def cache_snapshot(self) -> list[int]:
+        """Every block hash the prefix cache holds; later changes come from `take_cache_changes`."""
+        self._cache_log.clear()
+        self._cache_log_lost = False
+        return list(self._cached)
+
+    # -- the door: CPP ---------------------------------------------------------------------------------
+
+    def pipeline_stage(self, num_stages: int, stage: int) -> PipelineStage:
+        """This engine's stage `stage` of `num_stages` (its layer range, `engine/stage.py`), one per range;
+        call its methods through `call` or `call_on_engine_thread` only."""
+        if not 0 <= stage < num_stages:
+            raise InvalidRequestError(f"stage {stage} of {num_stages}")
+        layers = stage_layers(self.facts.num_layers, num_stages)[stage]
+        key = (layers.start, layers.stop)
+        if key not in self._stages:
+            self._stages[key] = PipelineStage(self.engine, layers)
+        return self._stages[key]
+
+    def reusable_blocks(self, num_tokens: int) -> int:
+        """How many leading blocks of a prompt a CPP stage may take from the cache pool."""
+        return reusable_blocks(num_tokens, self.facts.block_size)
+
+    def _between_steps(self) -> None:
+        """Copy what the roles read of the engine, while no step runs."""
+        engine = self.engine
+        scheduler, pool = engine.scheduler, engine.pool
+        self.stats = EngineStats(len(scheduler.waiting), len(scheduler.running), pool.num_used,
+                                 {rid: len(seq.output_token_ids) for rid, seq in engine.seqs.items()})
+        events = pool.events
+        if len(events) == events.maxlen:  # NOTE: some were dropped: start again from the whole cache
+            events.clear()
+            self._cached = set(pool.hash_to_block)
+            self._cache_log.clear()
+            self._cache_log_lost = True
+            return
+        while events:
+            kind, block_hash = events.popleft()
+            (self._cached.add if kind == "add" else self._cached.discard)(block_hash)
+            if self._cache_log_lost:
+                continue
+            if len(self._cache_log) >= CACHE_LOG_LIMIT:  # nobody took them (a decode instance reports none)
+                self._cache_log.clear()
+                self._cache_log_lost = True
+            else:
+                self._cache_log.append((kind, block_hash))
 
     def drain_step_samples(self) -> list[list]:
         return _drain(self.step_samples)

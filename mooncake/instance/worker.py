@@ -1,4 +1,5 @@
-"""The part of a prefill or decode instance that is not its role: the engine on its step loop, the
+"""The part of a prefill or decode instance that is not its role: the engine on its step loop (the
+roles reach the engine only through its EngineLoop), the
 link to the conductor, the report links to the API processes, the heartbeat with its load, and start/stop
 in order."""
 
@@ -10,7 +11,6 @@ import socket
 
 from mooncake import messages as m
 from mooncake.config import EngineConfig, MooncakeConfig
-from mooncake.engine import LLMEngine
 from mooncake.instance.engine_loop import EngineLoop
 from mooncake.link import ConductorLink
 from mooncake.instance.reports import ReportLinks
@@ -28,7 +28,6 @@ class Worker:
         # NOTE: the host name keeps default ids apart across containers, where every PID may be 1.
         self.instance_id = config.instance.instance_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
         self.name = f"{self.role} instance {self.instance_id}"
-        self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
         self.link: ConductorLink | None = None
         self.reports: ReportLinks | None = None
@@ -45,14 +44,14 @@ class Worker:
     async def start(self) -> None:
         # NOTE: loading weights takes seconds; do it off the event loop's thread all the same.
         self.supervisor = Supervisor(self.name)
-        self.engine = await asyncio.to_thread(LLMEngine, self.engine_config())
-        self.loop = EngineLoop(self.engine, self.on_outputs, self.on_failed)
+        self.loop = await EngineLoop.start_engine(self.engine_config(), self.on_outputs, self.on_failed)
         await self.start_role()
-        prefill_coef, decode_coef = self.engine.runner.time_coefficients() or ([], [])
-        register = m.Register(instance_id=self.instance_id, role=self.role, model_id=self.engine.model.model_id,
-                              block_size=self.engine.block_size, kv_dtype=self.config.engine.kv_dtype,
+        facts = self.loop.facts
+        prefill_coef, decode_coef = facts.time_coefficients or ([], [])
+        register = m.Register(instance_id=self.instance_id, role=self.role, model_id=facts.model_id,
+                              block_size=facts.block_size, kv_dtype=self.config.engine.kv_dtype,
                               transport=self.config.instance.transport,
-                              data_address=self.data_address, num_kv_blocks=self.engine.pool.num_blocks,
+                              data_address=self.data_address, num_kv_blocks=facts.num_kv_blocks,
                               prefill_coef=prefill_coef, decode_coef=decode_coef)
         self.link = ConductorLink(self.config.instance.conductor_address, register, self.heartbeat,
                                   self.on_message, self.supervisor, on_registered=self.on_registered)
@@ -60,7 +59,7 @@ class Worker:
         self.loop.start(self.supervisor)
         await self.link.start()
         log.info("%s ready: model %s, %d KV blocks, conductor %s", self.name, self.config.engine.model,
-                 self.engine.pool.num_blocks, self.config.instance.conductor_address)
+                 facts.num_kv_blocks, self.config.instance.conductor_address)
 
     def engine_config(self) -> EngineConfig:
         """The configured engine, with `prefill_batching = "auto"` made this role's choice."""
@@ -89,12 +88,12 @@ class Worker:
         self._num_heartbeats = 0
 
     def heartbeat(self) -> m.Heartbeat:
-        engine = self.engine
+        stats = self.loop.stats  # NOTE: as of the last gap between steps: a step may be running now
         self._num_heartbeats += 1
         return m.Heartbeat(instance_id=self.instance_id, seq=self._num_heartbeats,
-                           num_waiting=len(engine.scheduler.waiting),
-                           num_running=len(engine.scheduler.running), num_kv_blocks_used=engine.pool.num_used,
-                           num_kv_blocks=engine.pool.num_blocks, step_samples=self.loop.drain_step_samples(),
+                           num_waiting=stats.num_waiting, num_running=stats.num_running,
+                           num_kv_blocks_used=stats.num_kv_blocks_used, num_kv_blocks=self.loop.facts.num_kv_blocks,
+                           step_samples=self.loop.drain_step_samples(),
                            emulated_steps=self.loop.drain_emulated_steps(),
                            **self.heartbeat_report())
 
@@ -145,7 +144,7 @@ class Worker:
 
     async def drop(self, request_id: str) -> None:
         """Free everything the request holds here."""
-        await self.loop.call(self.engine.abort, request_id)
+        await self.loop.abort(request_id)
 
     async def report(self, request_id: str, msg, is_last: bool = False) -> None:
         """A report of the request to the API process that owns it (the conductor, if none is named)."""

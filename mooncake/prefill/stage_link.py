@@ -1,7 +1,7 @@
 """How CPP stages on different instances hand a prompt's activations on (DESIGN section 6), over the
 configured transport.
 
-Each stage's transport serves a `StageInbox`. A chunk's hidden states (`engine/stage.py:encode_hidden`,
+Each stage's transport serves a `StageInbox`. A chunk's hidden states (`hidden_payload.py:encode_hidden`,
 which carries its own check) are sent to the next stage's inbox under `chunk_key(request, stage, chunk)`,
 self-checked, so no transport hashes them again; the receiving stage waits for that key with a deadline,
 and `decode_hidden` verifies them. `run_stage` is one stage's whole part in a prompt: it receives chunk j,
@@ -12,15 +12,29 @@ import asyncio
 import struct
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import torch
 import xxhash
 
-from mooncake.engine.stage import PipelineStage, decode_hidden, encode_hidden
+from mooncake.hidden_payload import decode_hidden, encode_hidden
 from mooncake.hashing import HASH_SEED
 from mooncake.transfer.contract import BlockService, TransferError, Transport
 
 Compute = Callable[..., Awaitable]  # runs fn(*args) on the stage engine's thread: EngineLoop.call_on_engine_thread
+
+
+class Stage(Protocol):
+    """What a stage run needs of an engine's pipeline stage (`engine/stage.py:PipelineStage`, which a role
+    gets from `EngineLoop.pipeline_stage`); `run` goes through `compute`."""
+
+    def begin(self, request_id: str, prompt_token_ids: list[int]) -> None: ...
+
+    def run(self, request_id: str, num_tokens: int, hidden: torch.Tensor | None, since: float | None = None): ...
+
+    def modelled_end(self, request_id: str) -> float | None: ...
+
+    def hop_s(self, num_tokens: int) -> float: ...
 
 
 def chunk_key(request_id: str, stage: int, chunk: int) -> int:
@@ -96,7 +110,7 @@ class StageInbox(BlockService):
             self._pop(key)
 
 
-async def run_stage(stage: PipelineStage, index: int, request_id: str, chunk_sizes: list[int],
+async def run_stage(stage: Stage, index: int, request_id: str, chunk_sizes: list[int],
                     compute: Compute, inbox: StageInbox | None, transport: Transport | None,
                     next_peer: str | None, deadline: float,
                     on_chunk: Callable[[int], None] | None = None) -> torch.Tensor | None:
@@ -165,7 +179,7 @@ def time_left(deadline: float, what: str) -> float:
     return left
 
 
-async def run_group(stages: list[PipelineStage], transports: list[Transport], request_id: str,
+async def run_group(stages: list[Stage], transports: list[Transport], request_id: str,
                     prompt_token_ids: list[int], chunk_tokens: int, timeout_s: float = 600.0) -> torch.Tensor:
     """A whole group in one process (tests, benchmarks), each stage on a transport of its own (not yet
     started) serving its inbox, each chunk computed on a thread: the logits of the prompt's last token.

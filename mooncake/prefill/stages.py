@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from mooncake import messages as m
-from mooncake.engine.stage import PipelineStage, encode_hidden, reusable_blocks, stage_layers
+from mooncake.hidden_payload import encode_hidden
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
 from mooncake.kv_payload import KVPayload, wire_blocks
 from mooncake.prefill.stage_link import StageInbox, chunk_key, run_stage, time_left
@@ -49,20 +49,19 @@ class _StageJob:
 
 
 class PrefillStages:
-    """The worker's stage jobs, its StageInbox, and one PipelineStage per layer range asked of it."""
+    """The worker's stage jobs and its StageInbox; its engine's stages come from `EngineLoop.pipeline_stage`."""
 
     def __init__(self, worker, max_bytes: int):
         self.worker = worker
         self.inbox = StageInbox(max_bytes)
         self.jobs: dict[str, _StageJob] = {}
-        self._stages: dict[tuple[int, int], PipelineStage] = {}
 
     def admit(self, msg: m.PrefillStage) -> None:
         if msg.request_id in self.jobs:
             log.warning("%s: stage job %s is already here; ignored", self.worker.name, msg.request_id)
             return
-        n, size = len(msg.token_ids), self.worker.engine.block_size
-        reused = max(0, min(msg.reuse_blocks, reusable_blocks(n, size)))
+        n, size = len(msg.token_ids), self.worker.loop.facts.block_size
+        reused = max(0, min(msg.reuse_blocks, self.worker.loop.reusable_blocks(n)))
         step = max(1, msg.chunk_tokens)
         sizes = [min(step, n - i) for i in range(reused * size, n, step)]
         job = self.jobs[msg.request_id] = _StageJob(msg, reused, sizes)
@@ -77,15 +76,10 @@ class PrefillStages:
             job.task.cancel()
             await asyncio.gather(job.task, return_exceptions=True)
 
-    def _stage(self, msg: m.PrefillStage) -> PipelineStage:
-        engine = self.worker.engine
+    def _stage(self, msg: m.PrefillStage):
         if not 0 <= msg.stage < msg.num_stages or msg.chunk_tokens <= 0:
             raise InvalidRequestError(f"stage {msg.stage} of {msg.num_stages} in chunks of {msg.chunk_tokens} tokens")
-        layers = stage_layers(engine.runner.kv_spec.num_layers, msg.num_stages)[msg.stage]
-        key = (layers.start, layers.stop)
-        if key not in self._stages:
-            self._stages[key] = PipelineStage(engine, layers)
-        return self._stages[key]
+        return self.worker.loop.pipeline_stage(msg.num_stages, msg.stage)
 
     async def _run(self, job: _StageJob) -> None:
         msg, worker = job.msg, self.worker
@@ -149,7 +143,7 @@ class PrefillStages:
                 return  # cancelled meanwhile
             await worker.report(rid, m.PrefillDone(
                 request_id=rid, first_token=token, finish_reason=reason, first_logprob=logprob,
-                num_cached_tokens=job.reused_blocks * worker.engine.block_size,
+                num_cached_tokens=job.reused_blocks * worker.loop.facts.block_size,
                 num_computed_tokens=sum(sizes), fetched_bytes=fetched_bytes, fetch_seconds=fetch_s,
                 num_kv_blocks_sent=len(msg.block_hashes) if msg.decode_address else 0,
                 kv_bytes=sum(r.num_bytes for r in sent), kv_seconds=sum(r.seconds for r in sent),
@@ -197,7 +191,7 @@ class PrefillStages:
             await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
         return payloads, sum(len(found[key]) for key in wanted), time.perf_counter() - started
 
-    async def _push_kv(self, stage: PipelineStage, msg: m.PrefillStage, deadline: float, first_block: int,
+    async def _push_kv(self, stage, msg: m.PrefillStage, deadline: float, first_block: int,
                        end_block: int):
         """This stage's layers of the prompt's blocks [first_block, end_block) into decode's inbox; None when
         there are none."""
@@ -206,7 +200,7 @@ class PrefillStages:
         if not payloads:
             return None
         blocks = await asyncio.to_thread(wire_blocks, payloads)
-        if delay := worker.transfer_s_per_block * len(payloads) / worker.engine.runner.kv_spec.num_layers:
+        if delay := worker.transfer_s_per_block * len(payloads) / worker.loop.facts.num_layers:
             await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
         what = f"request {msg.request_id} stage {msg.stage}"
         # NOTE: a transfer id per push: several of a stage's may be in flight at once.

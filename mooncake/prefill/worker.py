@@ -58,14 +58,12 @@ class PrefillWorker(Worker):
         self.pool = PoolAccess(self.name, config)
         self.cache: CacheClient | None = None  # the pool's client, when it has one
         self._deadlines: asyncio.Task | None = None
-        self._snapshot: list[int] | None = None  # the whole prefix cache, for the next heartbeat
-        self._snapshot_task: asyncio.Task | None = None
+        self._snapshot_due = False  # the next heartbeat sends the whole prefix cache
         self.stages: PrefillStages | None = None  # its part in CPP groups (stages.py)
         self._last_entry: asyncio.Future | None = None  # the latest request's entry into the engine
 
     async def start_role(self) -> None:
-        # NOTE: read once here: the runner belongs to the engine thread (an emulated one models this).
-        self.transfer_s_per_block = self.engine.runner.transfer_seconds(self.engine.block_size)
+        self.transfer_s_per_block = self.loop.facts.transfer_s_per_block
         self.transport = make_transport(self.config.instance.transport, self.config)
         # NOTE: it serves only the stage inbox: CPP stages of other instances send it activations.
         self.stages = PrefillStages(self, self.config.instance.kv_inbox_bytes)
@@ -89,31 +87,16 @@ class PrefillWorker(Worker):
     def heartbeat_report(self) -> dict:
         """What entered and left the prefix cache since the last heartbeat; the whole cache instead when
         a snapshot was asked for (a new registration, a Resync, or more changes than the log keeps)."""
-        events = self.engine.pool.events
-        if len(events) == events.maxlen:
-            self._snapshot_wanted()
-        if self._snapshot is not None:
-            cached, self._snapshot = self._snapshot, None
-            return {"cached_blocks": cached, "is_snapshot": True}
-        added, evicted = [], []
-        while events:
-            kind, block_hash = events.popleft()
-            (added if kind == "add" else evicted).append(block_hash)
+        changes = None if self._snapshot_due else self.loop.take_cache_changes()
+        if changes is None:
+            self._snapshot_due = False
+            return {"cached_blocks": self.loop.cache_snapshot(), "is_snapshot": True}
+        added, evicted = changes
         return {"cached_blocks": added, "evicted_blocks": evicted}
 
     def on_registered(self) -> None:
         super().on_registered()
-        self._snapshot_wanted()
-
-    def _snapshot_wanted(self) -> None:
-        if self._snapshot_task is None or self._snapshot_task.done():
-            self._snapshot_task = self.supervisor.spawn(self._take_snapshot(), "a prefix-cache snapshot")
-
-    async def _take_snapshot(self) -> None:
-        def take():  # between engine steps: nothing changes the pool meanwhile
-            self.engine.pool.events.clear()
-            return list(self.engine.pool.hash_to_block)
-        self._snapshot = await self.loop.call(take)
+        self._snapshot_due = True
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -129,7 +112,7 @@ class PrefillWorker(Worker):
             self.reports.forget(msg.request_id)
         elif isinstance(msg, m.Resync):
             log.info("%s: the conductor missed some reports; sending the whole prefix cache", self.name)
-            self._snapshot_wanted()
+            self._snapshot_due = True
         else:
             log.warning("%s: unexpected %s from the conductor", self.name, type(msg).__name__)
 
@@ -143,18 +126,18 @@ class PrefillWorker(Worker):
         try:
             params = SamplingParams(**{**msg.sampling, "max_tokens": 1, "stop": ()})
             payloads = await self._read_pool(job)
-            if previous is not None and self.engine.scheduler.serial_prefill:
+            if previous is not None and self.loop.facts.serial_prefill:
                 await asyncio.shield(previous)  # NOTE: it always ends: each admission sets it when done
             if msg.request_id not in self.jobs:
                 return  # cancelled while reading the pool or waiting its turn
             if payloads:  # verified and copied in while other requests keep stepping
                 kept = await self.loop.add_request_with_kv(msg.token_ids, params, msg.request_id, payloads, True)
                 if msg.request_id not in self.jobs:  # cancelled while its blocks were copied in
-                    await self.loop.call(self.engine.abort, msg.request_id)
+                    await self.loop.abort(msg.request_id)
                 elif kept < job.num_pool_blocks:  # a pool block failed its check: recomputed here
                     self._forget_pool_block(job, kept)
             else:
-                await self.loop.call(self.engine.add_request, msg.token_ids, params, msg.request_id, (), True)
+                await self.loop.add_request(msg.token_ids, params, msg.request_id, keep_kv=True)
         except (InvalidRequestError, TypeError) as exc:
             self.jobs.pop(msg.request_id, None)
             await self.report_failure(msg.request_id, str(exc), is_invalid=True)
@@ -169,7 +152,7 @@ class PrefillWorker(Worker):
         msg = job.msg
         if self.cache is None or msg.reuse_blocks <= 0 or msg.sampling.get("prompt_logprobs") is not None:
             return []  # NOTE: a prompt whose logprobs are wanted is computed whole (the conductor reuses none)
-        local = len(self.engine.pool.match_prefix(msg.block_hashes[:msg.reuse_blocks]))
+        local = self.loop.prefix_length(msg.block_hashes[:msg.reuse_blocks])
         wanted = msg.block_hashes[local:msg.reuse_blocks]
         if not wanted:
             return []
@@ -205,20 +188,21 @@ class PrefillWorker(Worker):
         # fits its prefill model to these times, and charging each the whole step would bias it upward.
         forwarded = []
         for job in self.jobs.values():
-            seq = self.engine.seqs.get(job.msg.request_id)
-            if job.first_token is None and seq is not None and seq.num_forwarded_tokens > job.num_forwarded:
-                forwarded.append((job, seq.num_forwarded_tokens - job.num_forwarded))
-                job.num_forwarded = seq.num_forwarded_tokens
+            done = self.loop.forwarded_tokens(job.msg.request_id)
+            if job.first_token is None and done is not None and done > job.num_forwarded:
+                forwarded.append((job, done - job.num_forwarded))
+                job.num_forwarded = done
         total = sum(n for _, n in forwarded)
         for job, num_tokens in forwarded:
             job.compute_seconds += self.loop.last_step_s * num_tokens / total
         for job in self.jobs.values():
-            if job.first_token is None and job.msg.request_id in self.engine.seqs and self.config.instance.stream_kv:
+            if (job.first_token is None and self.config.instance.stream_kv
+                    and self.loop.forwarded_tokens(job.msg.request_id) is not None):
                 self._push_new_blocks(job)
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None and out.finished:
-                self.engine.abort(out.request_id)  # cancelled meanwhile: free the blocks it kept
+                self.loop.abort_now(out.request_id)  # cancelled meanwhile: free the blocks it kept
             elif job is not None and out.finished:
                 self._push_new_blocks(job)  # the last chunk's blocks (all of them, without stream_kv)
                 job.first_token, job.finish_reason = out.new_token_ids[0], out.finish_reason
@@ -231,7 +215,7 @@ class PrefillWorker(Worker):
         (those not already streamed there by layer) and to the pool. They are copied out of the cache and
         encoded on the engine loop's KV thread while the next step runs."""
         request_id = job.msg.request_id
-        num_full = min(self.engine.num_full_blocks(request_id), len(job.msg.block_hashes))
+        num_full = min(self.loop.num_full_blocks(request_id), len(job.msg.block_hashes))
         if num_full <= job.num_sent_blocks:
             return
         first = job.num_sent_blocks
@@ -272,7 +256,7 @@ class PrefillWorker(Worker):
                              ready_at: float | None):
         # NOTE: shielded: the copy is shared by every request of the step.
         blocks = (await asyncio.shield(exported))[index]
-        num_layers = self.engine.runner.kv_spec.num_layers
+        num_layers = self.loop.facts.num_layers
         return await self._send_to_decode(job, blocks, len(blocks) / num_layers,
                                           f"{job.msg.request_id}/{first_block}/L{layer}", ready_at)
 
@@ -305,7 +289,7 @@ class PrefillWorker(Worker):
             return
         if self.jobs.pop(msg.request_id, None) is None:
             return  # cancelled meanwhile
-        done, num_forwarded = await self.loop.call(self._complete, msg.request_id)
+        done, num_forwarded = await self.loop.complete(msg.request_id)
         await self.report(msg.request_id, m.PrefillDone(
             request_id=msg.request_id, first_token=job.first_token, finish_reason=job.finish_reason,
             first_logprob=job.first_logprob, prompt_logprobs=job.prompt_logprobs,
@@ -315,11 +299,6 @@ class PrefillWorker(Worker):
             compute_seconds=job.compute_seconds,
             fetched_bytes=job.fetched_bytes, fetch_seconds=job.fetch_seconds), is_last=True)
 
-    def _complete(self, request_id: str):
-        """(completion, prompt tokens this instance computed); frees the blocks it kept for the hand-off."""
-        num_forwarded = self.engine.seqs[request_id].num_forwarded_tokens
-        return self.engine.pop_completion(request_id), num_forwarded
-
     async def drop(self, request_id: str) -> None:
         if self.stages is not None:
             await self.stages.drop(request_id)
@@ -327,7 +306,7 @@ class PrefillWorker(Worker):
         if job is not None:
             for task in job.pushes:
                 task.cancel()
-        await self.loop.call(self.engine.abort, request_id)
+        await self.loop.abort(request_id)
 
     def _time_left(self, job: _Job) -> float:
         return max(0.01, job.msg.deadline_s - (time.perf_counter() - job.received_s))

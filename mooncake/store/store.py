@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from mooncake.config import StoreConfig
 from mooncake.errors import CapacityError
 from mooncake.hashing import checksum
+from mooncake.registry import load_backend
 from mooncake.store.eviction import make_policy
 from mooncake.store.tier import StorageTier
 
@@ -51,12 +52,10 @@ class StoreMetrics:
 class KVStore:
     def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.monotonic,
                  tiers: list[StorageTier] | None = None, shared_dram: bool = False):
-        if tiers is None:
-            from backends.storage.dram import DramTier
-            tiers = [DramTier(config.dram_bytes, shared=shared_dram)]
+        if tiers is None:  # NOTE: by name, through the registry, as every backend
+            tiers = [load_backend("storage", "dram")(config.dram_bytes, shared=shared_dram)]
             if config.ssd_dir:
-                from backends.storage.ssd import SsdTier
-                tiers.append(SsdTier(config.ssd_dir, config.ssd_bytes, fsync=config.ssd_fsync))
+                tiers.append(load_backend("storage", "ssd")(config.ssd_dir, config.ssd_bytes, fsync=config.ssd_fsync))
         self.config = config
         self.clock = clock
         self.tiers = tiers  # fastest first; a block lives in exactly one

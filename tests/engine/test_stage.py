@@ -10,7 +10,8 @@ import torch
 
 from mooncake.config import EngineConfig
 from mooncake.engine import LLMEngine, SamplingParams
-from mooncake.engine.stage import PipelineStage, decode_hidden, encode_hidden, run_local_pipeline, stage_layers
+from mooncake.engine.stage import PipelineStage, run_local_pipeline, stage_layers
+from mooncake.hidden_payload import decode_hidden, encode_hidden
 from mooncake.errors import InvalidRequestError, KVPayloadError, ModelError
 from tests.conftest import REAL, TINY
 

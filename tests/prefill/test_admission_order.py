@@ -24,13 +24,18 @@ class SlowPool:
 
 
 class RecordingLoop:
-    """The engine loop, reduced to the order in which requests enter the engine."""
+    """The engine loop, reduced to the order in which requests enter the engine, over an engine with no
+    prefix cached."""
 
-    def __init__(self):
+    def __init__(self, serial: bool):
         self.entered = []
+        self.facts = SimpleNamespace(serial_prefill=serial)
 
-    async def call(self, fn, *args):
-        self.entered.append(args[2])
+    def prefix_length(self, block_hashes):
+        return 0
+
+    async def add_request(self, token_ids, params, request_id, keep_kv=False):
+        self.entered.append(request_id)
 
 
 def prefill(request_id: str, reuse_blocks: int) -> m.Prefill:
@@ -41,9 +46,7 @@ def prefill(request_id: str, reuse_blocks: int) -> m.Prefill:
 def make_worker(serial: bool) -> PrefillWorker:
     """A prefill worker up to its engine: an engine with no prefix cached, entries recorded, a slow pool."""
     worker = PrefillWorker(load_config(None))
-    worker.engine = SimpleNamespace(scheduler=SimpleNamespace(serial_prefill=serial),
-                                    pool=SimpleNamespace(match_prefix=lambda hashes: []), add_request=None)
-    worker.loop, worker.cache, worker.transfer_s_per_block = RecordingLoop(), SlowPool(), 0.0
+    worker.loop, worker.cache, worker.transfer_s_per_block = RecordingLoop(serial), SlowPool(), 0.0
     return worker
 
 

@@ -11,7 +11,8 @@ import torch
 
 from mooncake.config import EngineConfig
 from mooncake.engine import LLMEngine, SamplingParams
-from mooncake.engine.stage import PipelineStage, encode_hidden, stage_layers
+from mooncake.engine.stage import PipelineStage, stage_layers
+from mooncake.hidden_payload import encode_hidden
 from mooncake.prefill.stage_link import StageInbox, chunk_key, run_group, run_stage
 from mooncake.registry import load_backend
 from mooncake.transfer.contract import TransferError

@@ -34,7 +34,7 @@ def test_an_engine_loop_that_dies_ends_its_instance(tiny_dir):
             async def broken(outputs):
                 raise RuntimeError("a bug in on_outputs")
             worker.loop.on_outputs = broken
-            await worker.loop.call(worker.engine.add_request, [5, 6, 7], SamplingParams(max_tokens=4), "r1")
+            await worker.loop.add_request([5, 6, 7], SamplingParams(max_tokens=4), "r1")
             with pytest.raises(MooncakeError, match="the engine loop failed.*a bug in on_outputs"):
                 await _fatal_of(worker)
         finally:
