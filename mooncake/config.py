@@ -3,14 +3,13 @@
 
 import dataclasses
 import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mooncake import env
 from mooncake.addresses import port_range
+from mooncake.config_codec import from_dict, toml_value
 from mooncake.cost import STEP_MODELS
 from mooncake.errors import ConfigError, check_config as _check
 from mooncake.sim.config import SimConfig  # noqa: F401  (the [sim] table; imported from here too)
@@ -414,73 +413,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     return from_dict(MooncakeConfig, data)
 
 
-def from_dict(cls, data: dict[str, Any], prefix: str = ""):
-    """Build dataclass `cls` from a dict, recursing into nested dataclasses; strict about keys and types."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}' must be a table")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if key not in fields:
-            known = ", ".join(sorted(fields))
-            raise ConfigError(f"unknown config key '{dotted}' (known here: {known})")
-        kwargs[key] = _coerce(hints[key], value, dotted)
-    return cls(**kwargs)
-
-
-def _coerce(hint, value, dotted: str):
-    if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, dotted + ".")
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(hint):
-            try:
-                return _coerce(option, value, dotted)
-            except ConfigError:
-                continue
-        raise ConfigError(f"config key '{dotted}' has the wrong type: {value!r}")
-    if hint is type(None):
-        if value is None:
-            return None
-        raise ConfigError(f"config key '{dotted}' must be empty")
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if origin in (list, tuple):
-        if not isinstance(value, list):
-            raise ConfigError(f"config key '{dotted}' must be a list, got {value!r}")
-        (item,) = typing.get_args(hint)[:1]
-        items = [_coerce(item, v, f"{dotted}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if hint in (int, float, str, bool):
-        if type(value) is not hint:
-            raise ConfigError(f"config key '{dotted}' must be {hint.__name__}, got {value!r}")
-        return value
-    return value
-
-
 def dump_config(config: MooncakeConfig) -> str:
     """TOML text of a whole config (what `mooncake dev` writes for each process it starts)."""
     lines = []
     for section in dataclasses.fields(config):
         lines.append(f"[{section.name}]")
         for f in dataclasses.fields(getattr(config, section.name)):
-            lines.append(f"{f.name} = {_toml_value(getattr(getattr(config, section.name), f.name))}")
+            lines.append(f"{f.name} = {toml_value(getattr(getattr(config, section.name), f.name))}")
         lines.append("")
     return "\n".join(lines)
-
-
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if dataclasses.is_dataclass(value):  # an inline table ([[api.keys]] entries)
-        return "{" + ", ".join(f"{f.name} = {_toml_value(getattr(value, f.name))}"
-                               for f in dataclasses.fields(value)) + "}"
-    raise ConfigError(f"cannot write {value!r} as TOML")

@@ -16,11 +16,11 @@ from mooncake.engine.batch import build_batch
 from mooncake.engine.block_pool import BlockPool
 from mooncake.engine.grammar import Grammars
 from mooncake.engine.kv_cache import PagedKVCache
-from mooncake.engine.kv_import import PendingImport
+from mooncake.engine.kv_import import PendingImport, reserve
 from mooncake.engine.sampler import logprobs_of, prompt_logprobs_of, sample
 from mooncake.sampling import SamplingParams, TokenLogprob
 from mooncake.engine.scheduler import Scheduler
-from mooncake.engine.sequence import Sequence
+from mooncake.engine.sequence import Sequence, finish_reason
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.hashing import hash_block, hash_blocks, make_namespace
 from mooncake.kv_payload import KVPayload
@@ -152,7 +152,7 @@ class LLMEngine:
         thread, steps may run meanwhile); then `finish_import` (between steps) queues the request, or
         `cancel_import` frees what was reserved."""
         seq = self._new_sequence(prompt_token_ids, params, request_id, keep_kv)
-        pending = self._reserve(seq, kv_payloads)
+        pending = reserve(self.pool, seq, kv_payloads, self.runner.kv_spec.num_layers, self.block_size)
         self._importing.add(seq.seq_id)
         return pending
 
@@ -354,31 +354,6 @@ class LLMEngine:
         seq = self.seqs[request_id]
         return min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
 
-    def _reserve(self, seq: Sequence, payloads: list[KVPayload]) -> PendingImport:
-        """A block per leading prompt block the payloads (or this engine's cache) cover, up to the last
-        full block before the prompt's last token: held ones acquired, the others allocated for writing."""
-        by_hash: dict[int, dict] = {}
-        for p in payloads:
-            by_hash.setdefault(p.block_hash, {})[p.layer] = p
-        num_layers = self.runner.kv_spec.num_layers
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        pending = PendingImport(seq)
-        for block_hash in seq.block_hashes[:max_blocks]:
-            block = self.pool.match_prefix([block_hash])  # already cached here: reuse it, payload or not
-            if block:
-                self.pool.acquire(block)
-                pending.entries.append((block[0], []))
-                continue
-            parts = by_hash.get(block_hash, {})
-            chosen = [parts[None]] if None in parts else [parts.get(layer) for layer in range(num_layers)]
-            if any(p is None for p in chosen):
-                break  # the chain stops at the first missing block
-            block = self.pool.allocate(1)
-            if block is None:
-                break
-            pending.entries.append((block[0], chosen))
-        return pending
-
     # -- internals --------------------------------------------------------------------------------
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -422,33 +397,15 @@ class LLMEngine:
             if seq.num_tokens % self.block_size == 0:  # a block just filled: extend the hash chain
                 parent = seq.block_hashes[-1] if seq.block_hashes else seq.params.prefix_root
                 seq.block_hashes.append(hash_block(parent, seq.token_ids[-self.block_size:], self.namespace))
-            reason = "stop" if complete else self._finish_reason(seq, token)
+            # NOTE: the tokenizer is loaded at the first request with stop strings, not before
+            reason = "stop" if complete else finish_reason(seq, token, self.runner.eos_token_ids,
+                                                            self.max_model_len, lambda: self.tokenizer)
             if reason:
                 self.scheduler.finish(seq, reason, free=not seq.keep_kv)
             outputs.append(RequestOutput(seq.seq_id, [token], reason is not None, reason,
                                          len(seq.prompt_token_ids), seq.num_cached_tokens,
                                          None if logprob is None else [logprob], prompt_logprobs))
         return outputs
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if (token in params.stop_token_ids) or (not params.ignore_eos and token in self.runner.eos_token_ids):
-            return "stop"
-        if params.stop and self._matches_stop(seq):
-            return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _matches_stop(self, seq: Sequence) -> bool:
-        # Decode a window wide enough to hold the longest stop string that could end in the new token.
-        window = max(len(s) for s in seq.params.stop) + 8
-        text = self.tokenizer.decode(seq.output_token_ids[-window:], skip_special_tokens=False)
-        for stop in seq.params.stop:
-            if stop in text:
-                seq.matched_stop = stop
-                return True
-        return False
 
 
 def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob] | None:

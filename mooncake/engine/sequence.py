@@ -2,6 +2,7 @@
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -69,3 +70,28 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+
+def finish_reason(seq: Sequence, token: int, eos_token_ids: tuple[int, ...], max_model_len: int,
+                  tokenizer: Callable) -> str | None:
+    """Why `seq` ends with its new `token` ("stop" or "length"); None while it goes on. `tokenizer()`
+    gives the tokenizer, called only for a sequence with stop strings."""
+    params = seq.params
+    if (token in params.stop_token_ids) or (not params.ignore_eos and token in eos_token_ids):
+        return "stop"
+    if params.stop and _matches_stop(seq, tokenizer):
+        return "stop"
+    if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
+def _matches_stop(seq: Sequence, tokenizer) -> bool:
+    # Decode a window wide enough to hold the longest stop string that could end in the new token.
+    window = max(len(s) for s in seq.params.stop) + 8
+    text = tokenizer().decode(seq.output_token_ids[-window:], skip_special_tokens=False)
+    for stop in seq.params.stop:
+        if stop in text:
+            seq.matched_stop = stop
+            return True
+    return False
