@@ -14,7 +14,6 @@ waits for it up to `api.conductor_wait_s`, then gets 503 with Retry-After; a han
 sent again to the conductor that comes back."""
 
 import asyncio
-import bisect
 import logging
 import time
 import uuid
@@ -22,9 +21,10 @@ import uuid
 import msgspec
 
 from mooncake import messages as m
-from mooncake import security
 from mooncake.addresses import advertise_host
+from mooncake.api.endings import Endings
 from mooncake.api.flight import Flight, Leg, StreamEvent
+from mooncake.api.inbound import Inbound
 from mooncake.api.metrics import ApiMetrics
 from mooncake.api.reports import ReportInbox
 from mooncake.api.timeline import Timelines
@@ -32,7 +32,6 @@ from mooncake.config import MooncakeConfig
 from mooncake.errors import LegFailed, Rejected, RequestError, Unavailable
 from mooncake.hashing import hash_blocks, make_namespace
 from mooncake.link import ConductorLink
-from mooncake.messages import GAP_BUCKETS_S
 from mooncake.models import resolve_model
 from mooncake.runtime import Supervisor
 from mooncake.sampling import SamplingParams, wire_sampling
@@ -46,7 +45,7 @@ RETRY_PLACEMENT_S = 0.25  # a migrating request with no instance to go to looks 
 RESEND_S = 0.5  # a Place with no answer is sent again this often while the conductor re-registers us
 
 
-class FrontDoor:
+class FrontDoor(Inbound, Endings):
     def __init__(self, config: MooncakeConfig, clock=time.monotonic, role: str = "api"):
         self.config = config
         self.cfg = config.conductor  # the request's deadlines and migration limit are the cluster's
@@ -390,96 +389,9 @@ class FrontDoor:
                     "(%d of the prompt's blocks reused)", flight.request_id, failure, ",".join(placed.prefill_ids),
                     placed.decode_id, len(flight.generated), placed.reuse_blocks)
 
-    def _end_leg(self, flight: Flight, failure: str = "", record: m.LegEnded | None = None) -> None:
-        """Forget the current leg; the conductor frees it wherever it is still held."""
-        if self.streams.pop(flight.wire_id, None) is None:
-            return
-        if flight.legs and flight.legs[-1].ended_s is None:
-            flight.legs[-1].ended_s, flight.legs[-1].failure = self.clock(), failure
-        while not flight.inbox.empty():  # reports of the old leg
-            flight.inbox.get_nowait()
-        msg = record or m.LegEnded(request_id=flight.wire_id, is_finished=flight.is_finished, failure=failure)
-        p = flight.placement
-        if p is not None and not flight.is_finished:  # NOTE: so that a conductor that does not know it frees it
-            unclaimed = flight.in_prefill or (flight.handed_off is not None)  # no token from decode yet
-            holders = [*(p.prefill_ids if flight.in_prefill else ()), *((p.decode_id,) if p.decode_id else ())]
-            msg = msgspec.structs.replace(msg, holders=holders, block_hashes=flight.block_hashes if unclaimed else [])
-        self._send_soon(msg)
-
-    def _end(self, flight: Flight, outcome: str, counted: bool = True) -> None:
-        """The request's one terminal state: forget it, free it wherever it is held, and give the conductor
-        its record (`counted`: it was accepted, so it counts as a request)."""
-        if flight.ended:
-            return
-        flight.ended = True
-        self.metrics.requests.labels(self.api_id, outcome).inc()
-        now = self.clock()
-        record = None
-        if counted:
-            gaps = flight.gaps_s
-            slowest = sorted(gaps, reverse=True)[:max(1, len(gaps) // 10)]
-            record = m.LegEnded(
-                request_id=flight.wire_id, is_finished=flight.is_finished, outcome=outcome,
-                migration=flight.migration, num_prompt_tokens=len(flight.prompt_token_ids),
-                num_completion_tokens=len(flight.generated), num_legs=flight.num_legs, ttft_s=flight.ttft_s,
-                e2e_s=now - flight.admitted_s, predicted_ttft_s=flight.predicted_ttft_s,
-                predicted_tbt_s=flight.predicted_tbt_s, mean_gap_s=sum(gaps) / len(gaps) if gaps else 0.0,
-                slow_gap_s=sum(slowest) / len(slowest) if slowest else 0.0, gap_counts=_bucketed(gaps),
-                gap_sum_s=sum(gaps))
-            self.timelines.record(flight, outcome, now)
-        if flight.wire_id in self.streams:
-            self._end_leg(flight, record=record)
-        elif record is not None:
-            self._send_soon(record)
-
     def _send_soon(self, msg) -> None:
         if self.link is not None:
             asyncio.ensure_future(self.link.send(msg))
-
-    # -- what reaches this process --------------------------------------------------------------------
-
-    def _route(self, msg, sender: str, key_role: str | None = None):
-        """A report from instance `sender` (over a connection holding a `key_role` key): into its flight's
-        inbox if it holds the current leg in that role; a report of a leg that is over is answered with
-        `Cancel` so the instance frees it."""
-        flight = self.streams.get(msg.request_id)
-        if flight is None:
-            if isinstance(msg, m.RequestFailed) or msg.finish_reason is not None:
-                return None
-            return m.Cancel(request_id=msg.request_id)
-        p = flight.placement
-        if p is not None:
-            expected = {m.PrefillDone: p.prefill_ids[-1] if p.prefill_ids else p.decode_id,
-                        m.Tokens: p.decode_id}.get(type(msg))
-            role = "prefill" if sender in p.prefill_ids else "decode"  # NOTE: colocated instances are decode's
-            if (sender not in (*p.prefill_ids, p.decode_id) or expected not in (None, sender)
-                    or (security.is_secured() and key_role != role)):
-                log.warning("ignored %s of request %s from %r (over a %s key), which does not hold it as a %s",
-                            msg.TAG, msg.request_id, sender, key_role, role)
-                return None
-        if isinstance(msg, m.RequestFailed):
-            if msg.is_invalid:
-                flight.inbox.put_nowait(RequestError(msg.error, is_invalid=True))
-            else:
-                flight.inbox.put_nowait(LegFailed(f"instance {sender}: {msg.error}", (sender,)))
-            return None
-        flight.inbox.put_nowait(msg)
-        return None
-
-    async def _on_conductor(self, msg) -> None:
-        if isinstance(msg, m.Placed):
-            if (answer := self.pending.get(msg.request_id)) is not None and not answer.done():
-                answer.set_result(msg)
-            elif not msg.refusal and msg.request_id not in self.streams:  # NOTE: placed after we gave up on it
-                await self.link.send(m.LegEnded(request_id=msg.request_id))
-        elif isinstance(msg, m.LegLost):
-            if (flight := self.streams.get(msg.request_id)) is not None:
-                flight.inbox.put_nowait(LegFailed(msg.error, tuple(msg.suspects)))
-        elif isinstance(msg, m.ClusterReply):
-            if self._cluster_wait is not None and not self._cluster_wait.done():
-                self._cluster_wait.set_result(msg)
-        else:
-            log.warning("%s: unexpected %s from the conductor", self.name, msg.TAG)
 
 
 async def _first(future: asyncio.Future, coro, timeout_s: float) -> None:
@@ -489,11 +401,3 @@ async def _first(future: asyncio.Future, coro, timeout_s: float) -> None:
         await asyncio.wait([future, other], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         other.cancel()
-
-
-def _bucketed(gaps: list[float]) -> list[int]:
-    """The gaps counted per latency bucket (each in the first whose bound it does not pass), +Inf last."""
-    counts = [0] * (len(GAP_BUCKETS_S) + 1)
-    for gap in gaps:
-        counts[bisect.bisect_left(GAP_BUCKETS_S, gap)] += 1
-    return counts

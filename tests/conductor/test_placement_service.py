@@ -220,7 +220,7 @@ def test_a_lost_decode_instance_is_told_to_the_api_process_that_owns_its_legs(se
 
 
 def test_a_finished_requests_record_adds_to_the_conductors_histograms_as_if_it_had_seen_every_token(served):
-    from mooncake.api.front_door import _bucketed
+    from mooncake.api.endings import _bucketed
     prefill, decode, api = cluster(served)
     other = dealer(served, "api-b", register(served, "api-b", "api"))
     gaps = [0.004, 0.02, 0.02, 0.3, 90.0]
