@@ -15,8 +15,11 @@ uninstalled (they do not load beside the CPU torch), `VLLM_CPU_KVCACHE_SPACE` is
 `VLLM_CPU_NUM_OF_RESERVED_CPU=0` lets it compute on every core, as ours does; its server is started as
 `python -m vllm.entrypoints.openai.api_server` (`vllm serve` trips on the package name).
 
+The offline probes run `--rounds` times (default 2), alternating engines, and each figure's best counts:
+on a shared box one run's ratios move by 10-20% with the neighbours' load; the per-round ratios are kept.
+
 JSON (--json, default bench-results/vllm.json): `ratios` (ours over vLLM's, higher is better: throughput,
-prefill_2048, decode_b1, decode_b32), `greedy_identical`, `serving` per concurrency, and each side's raw
+prefill_2048, decode_b1, decode_b32), `ratios_per_round`, `greedy_identical`, `serving` per concurrency, and each side's raw
 figures. Not part of `make test` (it downloads vLLM); tests/test_bench_vllm.py covers its arithmetic."""
 
 import argparse
@@ -156,6 +159,21 @@ def run_probe(python: str, kind: str, model_dir: str, timeout_s: float) -> dict:
     return json.loads(lines[-1])
 
 
+HIGHER_IS_BETTER = ("throughput_tok_s",)
+
+
+def best_of(rounds: list[dict]) -> dict:
+    """One engine's figures over several rounds: each figure's best (the highest rate, the lowest time),
+    greedy tokens and anything else from the first round. On a shared box noise only ever slows a run,
+    so the best of rounds that alternate between the engines is the fairest comparison."""
+    best = dict(rounds[0])
+    for key, value in rounds[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            values = [r[key] for r in rounds]
+            best[key] = max(values) if key in HIGHER_IS_BETTER else min(values)
+    return best
+
+
 def ratios(ours: dict, vllm: dict) -> dict:
     """Ours over vLLM's, higher is better: a rate over a rate, or vLLM's time over ours."""
     return {"throughput": ours["throughput_tok_s"] / vllm["throughput_tok_s"],
@@ -252,6 +270,8 @@ def main() -> int:
     ap.add_argument("--json", default="bench-results/vllm.json", help="where the figures go")
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16], help="serving levels (none: skip)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds each offline probe may take")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="offline probes of each engine, alternating; each figure's best counts (default 2)")
     ap.add_argument("--probe", choices=["mooncake", "vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -264,10 +284,16 @@ def main() -> int:
     from mooncake.models.fetch import fetch_model
     python = str(vllm_python(mooncake_home() / "vllm-cpu"))
     model_dir = str(fetch_model(args.model))
-    ours = run_probe(sys.executable, "mooncake", model_dir, args.timeout)
-    theirs = run_probe(python, "vllm", model_dir, args.timeout)
-    report = {"model": args.model, "cores": os.cpu_count(), "vllm": VLLM, "ratios": ratios(ours, theirs),
-              "greedy_identical": ours.pop("greedy") == theirs.pop("greedy"), "mooncake": ours, "vllm_figures": theirs}
+    runs = {"mooncake": [], "vllm": []}
+    for _ in range(args.rounds):  # NOTE: alternating, so a slow spell of the box hits both sides alike
+        runs["mooncake"].append(run_probe(sys.executable, "mooncake", model_dir, args.timeout))
+        runs["vllm"].append(run_probe(python, "vllm", model_dir, args.timeout))
+    ours, theirs = best_of(runs["mooncake"]), best_of(runs["vllm"])
+    report = {"model": args.model, "cores": os.cpu_count(), "vllm": VLLM, "rounds": args.rounds,
+              "ratios": ratios(ours, theirs), "ratios_per_round": [ratios(a, b) for a, b in zip(*runs.values())],
+              "greedy_identical": all(r["greedy"] == theirs["greedy"] for r in runs["mooncake"] + runs["vllm"]),
+              "mooncake": ours, "vllm_figures": theirs}
+    ours.pop("greedy"), theirs.pop("greedy")
     print(f"{'figure':<22} {'mooncake':>12} {'vLLM':>12} {'ours/vLLM':>10}")
     for key, ratio_key in (("throughput_tok_s", "throughput"), ("prefill_2048_s", "prefill_2048"),
                            ("decode_b1_step_s", "decode_b1"), ("decode_b32_step_s", "decode_b32"),
@@ -275,6 +301,8 @@ def main() -> int:
         ratio = f"{report['ratios'][ratio_key]:>10.2f}" if ratio_key else ""
         print(f"{key:<22} {ours[key]:>12.4f} {theirs[key]:>12.4f} {ratio}")
     print(f"greedy outputs identical: {report['greedy_identical']}")
+    for i, r in enumerate(report["ratios_per_round"]):
+        print(f"round {i + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()))
     if args.concurrency:
         vocab = 32000
         report["serving"] = serving(python, model_dir, args.model, vocab, args.concurrency)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scripts.bench_vllm import ratios, run_probe
+from scripts.bench_vllm import best_of, ratios, run_probe
 
 OURS = {"throughput_tok_s": 300.0, "prefill_2048_s": 2.0, "decode_b1_step_s": 0.03, "decode_b32_step_s": 0.2,
         "cpu_s_per_token": 0.004}
@@ -29,3 +29,13 @@ def test_a_probes_figures_are_its_last_json_line(tmp_path):
     fake.write_text("#!/bin/sh\necho 'Traceback: no module named vllm' >&2\nexit 1\n")
     with pytest.raises(SystemExit, match="(?s)the vllm probe failed.*no module named vllm"):
         run_probe(str(fake), "vllm", "/nowhere", 30)
+
+
+def test_the_best_of_rounds_takes_each_figures_best_and_keeps_the_rest():
+    slow = {**OURS, "throughput_tok_s": 250.0, "decode_b1_step_s": 0.025, "greedy": [[1, 2]]}
+    fast = {**OURS, "prefill_2048_s": 2.5, "greedy": [[3]]}
+    best = best_of([slow, fast])
+    assert best["throughput_tok_s"] == 300.0  # the higher rate
+    assert best["decode_b1_step_s"] == 0.025 and best["prefill_2048_s"] == 2.0  # the lower times
+    assert best["greedy"] == [[1, 2]]  # not a figure: the first round's
+    assert best_of([fast]) == fast
