@@ -38,6 +38,7 @@ from mooncake.config import EngineConfig, load_config  # noqa: E402
 from mooncake.engine import LLMEngine, SamplingParams  # noqa: E402
 from mooncake.engine.stage import PipelineStage, stage_layers  # noqa: E402
 from mooncake.prefill.stage_link import run_group  # noqa: E402
+from mooncake.transfer.modelled import ModelledNetwork  # noqa: E402
 from mooncake.registry import load_backend  # noqa: E402
 from mooncake.sim.run import simulate  # noqa: E402
 
@@ -66,7 +67,9 @@ def emulated_ttft(cfg: EngineConfig, tokens: int, stages: int, chunk: int, tag: 
         return time.perf_counter() - started
     num_layers = LLMEngine(cfg).runner.kv_spec.num_layers
     group = [PipelineStage(LLMEngine(cfg), layers) for layers in stage_layers(num_layers, stages)]
-    transports = [load_backend("transports", transport)(host="127.0.0.1") for _ in group]
+    runner = group[0].engine.runner  # NOTE: the modelled network takes the activations' hop time
+    transports = [ModelledNetwork(load_backend("transports", transport)(host="127.0.0.1"), 0.0, 1,
+                                  runner.activation_seconds(1)) for _ in group]
     started = time.perf_counter()
     asyncio.run(run_group(group, transports, tag, prompt, chunk))
     elapsed = time.perf_counter() - started

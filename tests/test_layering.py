@@ -23,8 +23,10 @@ CONTRACTS = {
     "mooncake.engine.runner",  # a model backend's contract
     "mooncake.store.client",  # the cache pool as its callers (prefill and decode instances) see it
     "mooncake.sim.config",  # the simulator's settings, part of the config schema
-    # the transport contract's kit, shared by every transport backend (and the cache node's shm windows)
+    # the transport contract's kit, shared by every transport backend (and the cache node's shm windows),
+    # and the modelled network an emulated instance wraps its transports in
     "mooncake.transfer.framing", "mooncake.transfer.windows", "mooncake.transfer.passes",
+    "mooncake.transfer.modelled",
 }
 # (importer's package or module, imported module or package): why the rule allows it
 EXCEPTIONS = {

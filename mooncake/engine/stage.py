@@ -155,11 +155,6 @@ class PipelineStage:
             logits_indices=torch.tensor([end - start - 1] if end == len(job.prompt) else [], dtype=torch.long,
                                         device=device))
 
-    def hop_s(self, num_tokens: int) -> float:
-        """What handing `num_tokens`' hidden states to the next stage costs beyond the real transfer (an
-        emulated model's modelled activations; 0 for a real model)."""
-        return self.engine.runner.activation_seconds(num_tokens)
-
     def num_full_blocks(self, request_id: str) -> int:
         """How many leading blocks of the prompt are full and through this stage (exportable)."""
         job = self.jobs[request_id]

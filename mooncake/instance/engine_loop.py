@@ -46,7 +46,10 @@ class EngineFacts:
     num_kv_blocks: int
     serial_prefill: bool  # the scheduler computes one prompt's chunk per step (engine.prefill_batching)
     time_coefficients: tuple[list[float], list[float]] | None  # ModelRunner.time_coefficients
-    transfer_s_per_block: float  # ModelRunner.transfer_seconds of one block (an emulated model's network)
+    # an emulated model's network (ModelRunner.transfer_seconds / activation_seconds, linear as the cost
+    # model's network): per KV block and per token of hidden states; 0 for a real model
+    transfer_s_per_block: float
+    activation_s_per_token: float
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,8 @@ class EngineLoop:
             model_id=engine.model.model_id, block_size=engine.block_size, num_layers=runner.kv_spec.num_layers,
             num_kv_blocks=engine.pool.num_blocks, serial_prefill=engine.scheduler.serial_prefill,
             time_coefficients=runner.time_coefficients(),
-            transfer_s_per_block=runner.transfer_seconds(engine.block_size))
+            transfer_s_per_block=runner.transfer_seconds(engine.block_size),
+            activation_s_per_token=runner.activation_seconds(1))
         self.stats = EngineStats(num_kv_blocks_used=engine.pool.num_used)
         self._stepping = False  # a step (or a long call) runs on the engine thread
         self._cached: set[int] = set(engine.pool.hash_to_block)  # the prefix cache's keys, as of the last gap
@@ -172,13 +176,14 @@ class EngineLoop:
         future.add_done_callback(unpin)
         return future
 
-    def stream_layers(self, deliver: Callable[[int, list[FilledBlocks], asyncio.Future, float | None], None],
+    def stream_layers(self, deliver: Callable[[int, list[FilledBlocks], asyncio.Future], None],
                       encode: Callable[[list], object] = list) -> None:
         """Layer-wise KV streaming: from now on, as each step writes layer i of blocks it fills for keep_kv
-        requests, `deliver(i, filled, future, ready_at)` is called on the event loop, where `future` gives,
-        per entry of `filled` (an engine.FilledBlocks), `encode(its payloads of layer i)`, copied and
-        checksummed on the KV thread while the next layers compute; `ready_at` is as in
-        `LLMEngine.layer_sink`. The engine pins those blocks for the step; they are released between two
+        requests, `deliver(i, filled, future)` is called on the event loop, where `future` gives, per entry
+        of `filled` (an engine.FilledBlocks), `encode(its payloads of layer i)`, copied and checksummed on
+        the KV thread while the next layers compute. With an emulated model the call comes when the layer
+        ends in the modelled step (`ready_at` of `LLMEngine.layer_sink`), not before: the modelled compute
+        time is waited out here. The engine pins those blocks for the step; they are released between two
         later steps, once every layer of them has been copied."""
         loop = asyncio.get_running_loop()
         engine = self.engine
@@ -192,7 +197,13 @@ class EngineLoop:
             written = engine.kv_cache.mark_written()  # on a GPU the layer is only queued: copy after it
             exported = self._kv_executor.submit(
                 lambda: [encode(engine.export_blocks(f.blocks, layer, written)) for f in filled])
-            loop.call_soon_threadsafe(lambda: deliver(layer, filled, asyncio.wrap_future(exported), ready_at))
+            loop.call_soon_threadsafe(lambda: deliver_at(ready_at, layer, filled, asyncio.wrap_future(exported)))
+
+        def deliver_at(ready_at: float | None, *args) -> None:  # the event loop
+            if ready_at is None:
+                deliver(*args)
+            else:
+                loop.call_later(max(0.0, ready_at - time.perf_counter()), deliver, *args)
 
         engine.layer_sink = sink
 

@@ -19,6 +19,7 @@ class PoolAccess:
     def __init__(self, name: str, config):
         self.name, self.config = name, config
         self.client: CacheClient | None = None  # None: no pool (off, or no node answered at start)
+        self.wrap = lambda transport: transport  # what the client's transports are wrapped in (Worker.modelled)
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self, supervisor=None) -> CacheClient | None:
@@ -26,7 +27,8 @@ class PoolAccess:
         cannot be reached (said in the log). `supervisor`: the role's, which watches the client's loops."""
         if not self.config.instance.use_cache_pool:
             return None
-        client = CacheClient(self.config.cache_client, lambda name: make_transport(name, self.config), supervisor)
+        client = CacheClient(self.config.cache_client, lambda name: self.wrap(make_transport(name, self.config)),
+                             supervisor)
         try:
             await client.start()  # NOTE: nodes down now are probed until they answer
         except TransferError as exc:

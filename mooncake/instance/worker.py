@@ -15,6 +15,7 @@ from mooncake.instance.engine_loop import EngineLoop
 from mooncake.link import ConductorLink
 from mooncake.instance.reports import ReportLinks
 from mooncake.runtime import Supervisor
+from mooncake.transfer.modelled import ModelledNetwork
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,14 @@ class Worker:
         await self.link.start()
         log.info("%s ready: model %s, %d KV blocks, conductor %s", self.name, self.config.engine.model,
                  facts.num_kv_blocks, self.config.instance.conductor_address)
+
+    def modelled(self, transport):
+        """`transport`, taking the modelled network's time where the runner emulates a model whose KV and
+        hidden states are larger than its own (mooncake/transfer/modelled.py); as it is for a real model."""
+        facts = self.loop.facts
+        if not (facts.transfer_s_per_block or facts.activation_s_per_token):
+            return transport
+        return ModelledNetwork(transport, facts.transfer_s_per_block, facts.num_layers, facts.activation_s_per_token)
 
     def engine_config(self) -> EngineConfig:
         """The configured engine, with `prefill_batching = "auto"` made this role's choice."""

@@ -34,8 +34,6 @@ class Stage(Protocol):
 
     def modelled_end(self, request_id: str) -> float | None: ...
 
-    def hop_s(self, num_tokens: int) -> float: ...
-
 
 def chunk_key(request_id: str, stage: int, chunk: int) -> int:
     """The key chunk `chunk` of a request's hidden states travels under to stage `stage`."""
@@ -121,8 +119,8 @@ async def run_stage(stage: Stage, index: int, request_id: str, chunk_sizes: list
     failed or late transfer raises TransferError naming the peer and the request.
 
     A chunk's send runs while the stage computes the next chunk, as a pipeline's stage hands on and goes
-    on; with an emulated model it also waits the activations' modelled transfer time first (`hop_s`), as
-    the simulator charges it (`cost.pipeline_ends`)."""
+    on; with an emulated model, a `transfer/modelled.py` transport takes the activations' modelled
+    transfer time, as the simulator charges it (`cost.pipeline_ends`)."""
     logits = None
     sends: list[asyncio.Task] = []
     previous_end = None  # the last chunk's end on an emulated device
@@ -147,7 +145,7 @@ async def run_stage(stage: Stage, index: int, request_id: str, chunk_sizes: list
                 continue
             payload = await asyncio.to_thread(encode_hidden, out)
             sends.append(asyncio.ensure_future(_send_on(transport, next_peer, request_id, index, j, payload,
-                                                        stage.hop_s(size), deadline)))
+                                                        deadline)))
             for done in (t for t in sends if t.done()):
                 done.result()  # a failed send ends the stage now, not after its last chunk
         await asyncio.gather(*sends)
@@ -158,10 +156,8 @@ async def run_stage(stage: Stage, index: int, request_id: str, chunk_sizes: list
 
 
 async def _send_on(transport: Transport, peer: str, request_id: str, index: int, chunk: int, payload,
-                   hop_s: float, deadline: float) -> None:
+                   deadline: float) -> None:
     what = f"request {request_id} stage {index} chunk {chunk}"
-    if hop_s:
-        await asyncio.sleep(hop_s)  # an emulated model's hidden states are smaller than those it models
     # NOTE: a transfer id per chunk: several of a stage's sends may be in flight at once.
     result = await transport.send(peer, [(chunk_key(request_id, index + 1, chunk), payload)],
                                   time_left(deadline, what), request_id=f"{request_id}/s{index}/c{chunk}",

@@ -187,8 +187,6 @@ class PrefillStages:
                 payloads.append(KVPayload.from_bytes(data))
             except KVPayloadError as exc:
                 raise KVPayloadError(f"pool block {i} ({key:#x}) of the prefix: {exc}", key) from None
-        if delay := worker.transfer_s_per_block * len(wanted):
-            await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
         return payloads, sum(len(found[key]) for key in wanted), time.perf_counter() - started
 
     async def _push_kv(self, stage, msg: m.PrefillStage, deadline: float, first_block: int,
@@ -200,8 +198,6 @@ class PrefillStages:
         if not payloads:
             return None
         blocks = await asyncio.to_thread(wire_blocks, payloads)
-        if delay := worker.transfer_s_per_block * len(payloads) / worker.loop.facts.num_layers:
-            await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
         what = f"request {msg.request_id} stage {msg.stage}"
         # NOTE: a transfer id per push: several of a stage's may be in flight at once.
         result = await worker.transport.send(msg.decode_address, blocks, time_left(deadline, what),

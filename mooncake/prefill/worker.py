@@ -46,6 +46,7 @@ class _Job:
     first_logprob: TokenLogprob | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    deadline: asyncio.TimerHandle | None = None  # fails it if it is still here at msg.deadline_s
 
 
 class PrefillWorker(Worker):
@@ -57,29 +58,26 @@ class PrefillWorker(Worker):
         self.jobs: dict[str, _Job] = {}
         self.pool = PoolAccess(self.name, config)
         self.cache: CacheClient | None = None  # the pool's client, when it has one
-        self._deadlines: asyncio.Task | None = None
         self._snapshot_due = False  # the next heartbeat sends the whole prefix cache
         self.stages: PrefillStages | None = None  # its part in CPP groups (stages.py)
         self._last_entry: asyncio.Future | None = None  # the latest request's entry into the engine
 
     async def start_role(self) -> None:
-        self.transfer_s_per_block = self.loop.facts.transfer_s_per_block
-        self.transport = make_transport(self.config.instance.transport, self.config)
+        self.transport = self.modelled(make_transport(self.config.instance.transport, self.config))
+        self.pool.wrap = self.modelled
         # NOTE: it serves only the stage inbox: CPP stages of other instances send it activations.
         self.stages = PrefillStages(self, self.config.instance.kv_inbox_bytes)
         self.data_address = await self.transport.start(self.stages.inbox, self.config.instance.data_address or None)
         self.cache = await self.pool.start(self.supervisor)
-        self._deadlines = self.supervisor.spawn(self._enforce_deadlines(), "the deadline watch")
         if self.config.instance.stream_layers:
             self.loop.stream_layers(self._push_layer, wire_blocks)
 
     async def stop_role(self) -> None:
-        if self._deadlines is not None:
-            self._deadlines.cancel()
-            await asyncio.gather(self._deadlines, return_exceptions=True)
         for job in self.jobs.values():
             for task in job.pushes:
                 task.cancel()
+            if job.deadline is not None:
+                job.deadline.cancel()
         await self.pool.stop()
         if self.transport is not None:
             await self.transport.stop()
@@ -119,6 +117,7 @@ class PrefillWorker(Worker):
     async def _admit(self, msg: m.Prefill) -> None:
         job = _Job(msg, time.perf_counter())
         self.jobs[msg.request_id] = job
+        job.deadline = asyncio.get_running_loop().call_later(msg.deadline_s, self._on_deadline, job)
         # NOTE: with serial prefill, requests enter the engine in the order they came, as the conductor
         # predicts this queue: one that reads the pool first is not overtaken by a later one meanwhile.
         entered = asyncio.get_running_loop().create_future()
@@ -158,8 +157,6 @@ class PrefillWorker(Worker):
             return []
         start = time.perf_counter()
         found = await self.cache.get_blocks(wanted)
-        if delay := self.transfer_s_per_block * sum(found.get(k) is not None for k in wanted):
-            await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
         job.fetch_seconds = time.perf_counter() - start
         payloads = []
         for key in wanted:
@@ -238,9 +235,9 @@ class PrefillWorker(Worker):
         to_decode = [b for i, b in enumerate(blocks) if first_block + i not in job.layered]
         if not msg.decode_address or not to_decode:  # none when the request ends with its first token
             return None
-        return await self._send_to_decode(job, to_decode, len(to_decode), f"{msg.request_id}/{first_block}")
+        return await self._send_to_decode(job, to_decode, f"{msg.request_id}/{first_block}")
 
-    def _push_layer(self, layer: int, filled: list, exported: asyncio.Future, ready_at: float | None) -> None:
+    def _push_layer(self, layer: int, filled: list, exported: asyncio.Future) -> None:
         """On the event loop, as a step writes layer `layer` of blocks it fills (layer-wise streaming,
         `EngineLoop.stream_layers`): push that layer of each request's new blocks to its decode instance
         while the next layers compute. The pool still gets whole blocks, after the step."""
@@ -250,25 +247,16 @@ class PrefillWorker(Worker):
                 continue
             job.layered.update(range(entry.first_block, entry.first_block + len(entry.blocks)))
             job.pushes.append(asyncio.create_task(
-                self._push_layer_of(job, exported, i, entry.first_block, layer, ready_at)))
+                self._push_layer_of(job, exported, i, entry.first_block, layer)))
 
-    async def _push_layer_of(self, job: _Job, exported: asyncio.Future, index: int, first_block: int, layer: int,
-                             ready_at: float | None):
+    async def _push_layer_of(self, job: _Job, exported: asyncio.Future, index: int, first_block: int, layer: int):
         # NOTE: shielded: the copy is shared by every request of the step.
         blocks = (await asyncio.shield(exported))[index]
-        num_layers = self.loop.facts.num_layers
-        return await self._send_to_decode(job, blocks, len(blocks) / num_layers,
-                                          f"{job.msg.request_id}/{first_block}/L{layer}", ready_at)
+        return await self._send_to_decode(job, blocks, f"{job.msg.request_id}/{first_block}/L{layer}")
 
-    async def _send_to_decode(self, job: _Job, blocks: list, num_blocks: float, transfer_id: str,
-                              ready_at: float | None = None):
-        """Push payloads to the request's decode instance; a block it did not take fails the hand-off.
-        `num_blocks` is what they amount to in whole blocks, and `ready_at` when an emulated step has them
-        computed (for an emulated model's timing)."""
+    async def _send_to_decode(self, job: _Job, blocks: list, transfer_id: str):
+        """Push payloads to the request's decode instance; a block it did not take fails the hand-off."""
         msg = job.msg
-        delay = self.transfer_s_per_block * num_blocks + max(0.0, (ready_at or 0.0) - time.perf_counter())
-        if delay:
-            await asyncio.sleep(delay)  # an emulated model's KV is smaller than what crosses its network
         # NOTE: one transfer id per chunk (and layer): several of a request's may be in flight at once.
         # NOTE: self_checked: each block is a KVPayload that decode verifies as it imports it (one check).
         result = await self.transport.send(msg.decode_address, blocks, self._time_left(job), transfer_id,
@@ -311,12 +299,8 @@ class PrefillWorker(Worker):
     def _time_left(self, job: _Job) -> float:
         return max(0.01, job.msg.deadline_s - (time.perf_counter() - job.received_s))
 
-    async def _enforce_deadlines(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            now = time.perf_counter()
-            late = [j for j in self.jobs.values() if now - j.received_s > j.msg.deadline_s]
-            for job in late:
-                await self.drop(job.msg.request_id)
-                await self.report_failure(job.msg.request_id,
-                                          f"prefill did not finish within {job.msg.deadline_s:g} s")
+    def _on_deadline(self, job: _Job) -> None:
+        """The request's prefill deadline passed (a timer set at admission): if it is still here, it fails."""
+        if self.jobs.get(job.msg.request_id) is job:
+            self.spawn_for(job.msg.request_id, self._fail_request(
+                job.msg.request_id, f"prefill did not finish within {job.msg.deadline_s:g} s"), "the deadline")

@@ -172,15 +172,23 @@ def test_moving_kv_costs_the_modelled_bytes_over_the_modelled_network(cfg):
 
 
 def test_a_cpp_hop_costs_what_the_simulator_charges_a_stage_boundary(cfg):
+    """The hidden states of a 2,048-token chunk, sent over an emulated instance's modelled network
+    (transfer/modelled.py, set from its runner as Worker.modelled does), take what the simulator charges."""
+    import torch
+
     from mooncake.conductor.cpp import CppSettings
-    from mooncake.engine.stage import PipelineStage
+    from mooncake.hidden_payload import encode_hidden
+    from mooncake.registry import load_backend
+    from mooncake.transfer.modelled import ModelledNetwork
 
     engine = LLMEngine(cfg)
     cost = engine.runner.cost
     sim = CppSettings(2, 0, 2048, cost.activation_bytes_per_token)  # as mooncake/sim/disaggregated.py makes it
-    stage = PipelineStage(engine, range(0, engine.runner.kv_spec.num_layers // 2))
-    assert stage.hop_s(2048) > 0
-    assert stage.hop_s(2048) == pytest.approx(sim.hop_s(2048, cost.network_bytes_per_s) / cfg.emulation_speedup)
+    assert engine.runner.activation_seconds(2048) == pytest.approx(2048 * engine.runner.activation_seconds(1))
+    network = ModelledNetwork(load_backend("transports", "inproc")(), 0.0, 1, engine.runner.activation_seconds(1))
+    hop_s = network.modelled_s([encode_hidden(torch.zeros(2048, 4))])
+    assert hop_s > 0
+    assert hop_s == pytest.approx(sim.hop_s(2048, cost.network_bytes_per_s) / cfg.emulation_speedup)
 
 
 def test_back_to_back_steps_keep_the_emulated_devices_clock_when_the_host_hands_back_late(cfg):

@@ -69,3 +69,54 @@ def test_long_work_runs_on_the_engine_thread_between_steps_while_the_event_loop_
     seen, ticks = asyncio.run(main())
     assert seen["thread"].startswith("engine") and not seen["beside_a_step"] and seen["steps_meanwhile"] == 0
     assert ticks >= 15  # the event loop ran its 10 ms ticks while the work took 0.3 s
+
+
+def test_the_door_reads_the_engine_only_between_steps(cfg, monkeypatch):
+    """What the roles read through the loop: heartbeat stats and the prefix cache as of the last gap
+    between steps (a mirror kept from the engine's events; a snapshot once more changed than the log
+    keeps), and reads for on_outputs that refuse to run beside a step."""
+    from mooncake.instance import engine_loop
+    engine = LLMEngine(cfg)
+    seen = {}
+
+    async def on_outputs(outputs):
+        for out in outputs:
+            seen[out.request_id] = loop.forwarded_tokens(out.request_id)
+
+    async def main():
+        nonlocal loop
+        loop = EngineLoop(engine, on_outputs, _nothing)
+        assert loop.facts.block_size == cfg.block_size and loop.facts.num_kv_blocks == engine.pool.num_blocks
+        loop.start()
+        try:
+            prompt = list(range(1, 30))  # three full blocks of 8 before the last token
+            await loop.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True), "r1", keep_kv=True)
+            while engine.has_unfinished() or not seen:
+                await asyncio.sleep(0.01)
+            # read from on_outputs, between steps: the prompt and the two tokens fed back after the first
+            assert seen["r1"] == len(prompt) + 2
+            assert loop.stats.output_tokens.get("r1") == 3 and loop.stats.num_running == 0
+            completion, forwarded = await loop.complete("r1")
+            assert len(completion.token_ids) == 3 and forwarded == len(prompt) + 2
+            await loop.call(lambda: None)  # one more gap between steps
+            cached = loop.cache_snapshot()
+            assert len(cached) >= 3
+            assert loop.prefix_length(cached[:2]) == 2
+            assert loop.prefix_length([cached[0], 12345, cached[1]]) == 1  # a prefix stops at the first miss
+            assert loop.take_cache_changes() == ([], [])  # the snapshot took every change so far
+            monkeypatch.setattr(engine_loop, "CACHE_LOG_LIMIT", 2)
+            await loop.add_request(list(range(40, 80)), SamplingParams(max_tokens=1), "r2")
+            while engine.has_unfinished():
+                await asyncio.sleep(0.01)
+            await loop.call(lambda: None)
+            assert loop.take_cache_changes() is None  # more than the log keeps: a snapshot is due
+            assert len(loop.cache_snapshot()) > len(cached)
+            assert loop.take_cache_changes() == ([], [])
+            loop._stepping = True  # NOTE: as during a step
+            with pytest.raises(RuntimeError, match="while a step runs"):
+                loop.num_full_blocks("r2")
+            loop._stepping = False
+        finally:
+            await loop.stop()
+    loop = None
+    asyncio.run(main())

@@ -71,7 +71,7 @@ def test_decode_from_layer_slices_streamed_through_the_engine_loop_equals_genera
         loop = EngineLoop(prefill, on_outputs, on_failed)
         loop.start()
         try:
-            loop.stream_layers(lambda layer, filled, future, ready_at: got.append(future))
+            loop.stream_layers(lambda layer, filled, future: got.append(future))
             rid = await loop.call(prefill.add_request, PROMPT, SamplingParams(max_tokens=1, ignore_eos=True),
                                   None, (), True)
             while (await loop.call(lambda: prefill.seqs[rid].is_finished)) is False:

@@ -13,6 +13,7 @@ from mooncake.config import EngineConfig
 from mooncake.engine import LLMEngine, SamplingParams
 from mooncake.engine.stage import PipelineStage, stage_layers
 from mooncake.hidden_payload import encode_hidden
+from mooncake.transfer.modelled import ModelledNetwork
 from mooncake.prefill.stage_link import StageInbox, chunk_key, run_group, run_stage
 from mooncake.registry import load_backend
 from mooncake.transfer.contract import TransferError
@@ -58,11 +59,11 @@ def test_stages_over_a_transport_give_one_engines_first_token(cfg, name, stages)
 
 def test_a_stage_computes_on_while_its_sends_are_on_their_way_each_after_its_hop_time(cfg):
     """A stage starts its next chunk as soon as it has handed the last one on, not once the next stage
-    has it; each chunk leaves after the stage's hop time (an emulated model's modelled activations)."""
+    has it; each chunk arrives after its hop time (an emulated model's modelled activations, taken by a
+    modelled-network transport: 1 s for a chunk of 8 tokens here)."""
     engine = LLMEngine(cfg)
     stage = PipelineStage(engine, range(0, 1))
     stage.begin("r5", list(range(1, 25)))
-    stage.hop_s = lambda num_tokens: 1.0
     computed, arrived = [], []
 
     async def compute(fn, *args):
@@ -71,7 +72,7 @@ def test_a_stage_computes_on_while_its_sends_are_on_their_way_each_after_its_hop
         return out
 
     async def go():
-        receiver, sender = make_transport("inproc"), make_transport("inproc")
+        receiver, sender = make_transport("inproc"), ModelledNetwork(make_transport("inproc"), 0.0, 1, 1 / 8)
         inbox = StageInbox()
         put = inbox.put_block
         inbox.put_block = lambda key, data, checksum=None: arrived.append(time.monotonic()) or put(key, data, checksum)
