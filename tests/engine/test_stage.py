@@ -18,7 +18,10 @@ from tests.conftest import REAL, TINY
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=[TINY, "emulated-llama3-70b", pytest.param(REAL, marks=pytest.mark.real_model)])
+# NOTE: SmolLM2's pipelines run in the slow tier (about 35 s of make test): the tiny and emulated models cover
+# every path here, and SmolLM2's parity with transformers is checked in make test by test_parity.py.
+@pytest.fixture(scope="module", params=[TINY, "emulated-llama3-70b",
+                                        pytest.param(REAL, marks=[pytest.mark.real_model, pytest.mark.slow])])
 def cfg(request):
     from mooncake.models.fetch import fetch_model
     path = fetch_model(request.param)
