@@ -8,8 +8,8 @@ import torch
 
 from mooncake.errors import KVPayloadError
 from mooncake.kv_mac import data_mac, data_mac_ok, header_digest
+from mooncake.kv_payload import PREFIX as _PREFIX  # the same framing as KV payloads
 
-_PREFIX = struct.Struct("<IQ")  # header length, keyed digest of the header (as KV payloads, kv_payload.py)
 
 
 def encode_hidden(hidden: torch.Tensor) -> bytes:

@@ -19,7 +19,7 @@ from mooncake.hashing import layer_key
 from mooncake.kv_mac import data_mac, data_mac_ok, header_digest
 
 PAYLOAD_VERSION = 3  # 2: the header's own hash after its length; 3: keyed (a MAC of the data, a keyed digest)
-_PREFIX = struct.Struct("<IQ")  # header length, keyed digest of the header
+PREFIX = struct.Struct("<IQ")  # header length, keyed digest of the header
 
 
 @dataclass(frozen=True)
@@ -60,14 +60,14 @@ class KVPayload:
 
     def to_bytes(self) -> bytes:
         header = self.header()
-        return b"".join((_PREFIX.pack(len(header), header_digest(header)), header, self.data))  # one copy of the data
+        return b"".join((PREFIX.pack(len(header), header_digest(header)), header, self.data))  # one copy of the data
 
     @classmethod
     def from_bytes(cls, buf: bytes | memoryview) -> "KVPayload":
         view = memoryview(buf)
         try:
-            header_len, header_hash = _PREFIX.unpack_from(view, 0)
-            header_bytes = view[_PREFIX.size:_PREFIX.size + header_len]
+            header_len, header_hash = PREFIX.unpack_from(view, 0)
+            header_bytes = view[PREFIX.size:PREFIX.size + header_len]
             if len(header_bytes) != header_len or header_digest(bytes(header_bytes)) != header_hash:
                 raise KVPayloadError("KV payload header fails its check (corrupted, forged, made under another "
                                      "cluster's key, or written by another mooncake version)")
@@ -75,7 +75,7 @@ class KVPayload:
             version = header["v"]
             if version != PAYLOAD_VERSION:
                 raise KVPayloadError(f"KV payload version {version}, this build reads {PAYLOAD_VERSION}")
-            data = view[_PREFIX.size + header_len:]
+            data = view[PREFIX.size + header_len:]
             if len(data) != header["nbytes"]:
                 raise KVPayloadError(f"KV payload truncated: {len(data)} of {header['nbytes']} bytes")
             return cls(block_hash=header["hash"], namespace=header["ns"], dtype=header["dtype"],
@@ -94,7 +94,7 @@ def bound_digest(block) -> int:
     checks the payload (`from_bytes`, `verify`) checks every byte against the seal. Negative (at most -2),
     so no transport takes it for a checksum of the bytes; -2 for a block too short to be a payload."""
     view = memoryview(block).cast("B")
-    if len(view) < _PREFIX.size:
+    if len(view) < PREFIX.size:
         return -2
     return -2 - (struct.unpack_from("<Q", view, 4)[0] & BOUND_MASK)
 

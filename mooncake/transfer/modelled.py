@@ -10,14 +10,12 @@ send, after a fetch. An instance whose runner emulates wraps its transports in i
 no time of their own); one with a real model never does."""
 
 import asyncio
-import struct
 import time
 
 import msgpack
 
+from mooncake.kv_payload import PREFIX as _PREFIX  # both payload formats begin so: header length, its digest
 from mooncake.transfer.contract import BlockService, TransferResult, Transport
-
-_PREFIX = struct.Struct("<IQ")  # what both payload formats begin with: header length, its keyed digest
 
 
 class ModelledNetwork(Transport):
