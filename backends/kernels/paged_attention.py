@@ -89,16 +89,26 @@ def _build_and_load() -> ctypes.CDLL | bool:
         key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
                                         " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
         target = mooncake_home() / "kernels" / f"paged_attention-{key}.so"
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _owned_by_us(target.parent)  # NOTE: loading a library runs its code: none that another user placed
         if not target.exists():
             _compile(compiler, target)
+        _owned_by_us(target)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("could not build the paged attention kernel (%s); decode attention gathers K and V", exc)
         return False
 
 
+def _owned_by_us(path: Path) -> None:
+    """OSError unless `path` is this user's and no one else may write it."""
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise OSError(f"{path} belongs to another user or others may write it (mode {info.st_mode & 0o777:o}); "
+                      f"set MOONCAKE_HOME to a directory of your own")
+
+
 def _compile(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
     # NOTE: built beside its final name and renamed into place, so engines starting together never load a
     # half-written file.
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")

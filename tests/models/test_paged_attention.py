@@ -56,3 +56,18 @@ def test_a_head_size_it_cannot_take_is_an_error_naming_it():
     q, kv, table, lens = _case(2, 4, 2, 12, 16, [5, 9], seed=3)
     with pytest.raises(ValueError, match="12"):
         kernel.attend(q, kv, table, lens, 16)
+
+
+def test_a_kernel_directory_others_may_write_is_refused(tmp_path, monkeypatch):
+    """Loading the built library runs its code: one in a directory another user could write is not loaded
+    (decode gathers instead, and the log says why)."""
+    home = tmp_path / "home"
+    (home / "kernels").mkdir(parents=True)
+    (home / "kernels").chmod(0o777)
+    monkeypatch.setenv("MOONCAKE_HOME", str(home))
+    monkeypatch.setattr(paged_attention, "_library", None)
+    assert paged_attention.load() is None
+    assert not list((home / "kernels").iterdir())  # nothing built or loaded there
+    (home / "kernels").chmod(0o700)
+    monkeypatch.setattr(paged_attention, "_library", None)
+    assert paged_attention.load() is not None
