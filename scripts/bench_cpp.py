@@ -69,7 +69,7 @@ def emulated_ttft(cfg: EngineConfig, tokens: int, stages: int, chunk: int, tag: 
     group = [PipelineStage(LLMEngine(cfg), layers) for layers in stage_layers(num_layers, stages)]
     runner = group[0].engine.runner  # NOTE: the modelled network takes the activations' hop time
     transports = [ModelledNetwork(load_backend("transports", transport)(host="127.0.0.1"), 0.0, 1,
-                                  runner.activation_seconds(1)) for _ in group]
+                                  runner.modelled.activation_seconds(1)) for _ in group]
     started = time.perf_counter()
     asyncio.run(run_group(group, transports, tag, prompt, chunk))
     elapsed = time.perf_counter() - started

@@ -20,7 +20,7 @@ LAUNCHERS = {"mooncake.cli", "mooncake.dev", "mooncake.__main__"}
 CONTRACTS = {
     "mooncake.transfer.contract",  # a transport backend's contract
     "mooncake.store.tier",  # a storage backend's contract
-    "mooncake.engine.runner",  # a model backend's contract
+    "mooncake.engine.runner", "mooncake.engine.modelled_time",  # a model backend's contract, its emulated time
     "mooncake.store.client",  # the cache pool as its callers (prefill and decode instances) see it
     "mooncake.sim.config",  # the simulator's settings, part of the config schema
     # the transport contract's kit, shared by every transport backend (and the cache node's shm windows),

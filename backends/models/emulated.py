@@ -7,8 +7,9 @@ tokens, picks each next token from the last token, its position and a digest of 
 lies in the cache (so a block lost or garbled on its way from prefill to decode changes the stream), ends
 each answer with EOS at a length that is a function of the prompt (mooncake/answer_lengths.py: the
 simulator computes the same; a model without an output-length distribution never ends on its own), and
-tells the engine the time the cost model (`mooncake/cost.py`, the one the simulator charges) gives the
-step on the emulated hardware, divided by `engine.emulation_speedup`; the engine's step lasts that long.
+carries the cost model (`mooncake/cost.py`, the one the simulator charges) as its `modelled` time
+(mooncake/engine/modelled_time.py): the engine's step lasts what that gives the step on the emulated
+hardware, divided by `engine.emulation_speedup`.
 
 The model directory comes from a spec in configs/models/ (`mooncake model fetch emulated-llama3-70b`):
 its config.json holds the engine-facing shape (vocabulary, context, real KV dims), the cost model as
@@ -23,14 +24,13 @@ from tokenizers import Tokenizer
 from mooncake.answer_lengths import ANSWER_ALPHABET, KV_MODULUS, AnswerLengths, kv_cells, mix
 from mooncake.cost import CostModel
 from mooncake.engine.kv_cache import KVSpec
+from mooncake.engine.modelled_time import ModelledTime
 from mooncake.engine.runner import ForwardBatch, ModelRunner
 from mooncake.errors import ModelError
 
 
 
 class EmulatedRunner(ModelRunner):
-    models_time = True
-
     def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, speedup: float = 1.0,
                  step_model: str = ""):
         path = Path(model_dir) / "config.json"
@@ -38,8 +38,8 @@ class EmulatedRunner(ModelRunner):
         if "emulation" not in config:
             raise ModelError(f"{path}: no 'emulation' table: not an emulated model directory")
         cost = dict(config["emulation"], **({"step_model": step_model} if step_model else {}))
-        self.cost = CostModel.from_dict(cost, f"{path} emulation")
-        self.speedup = speedup
+        self.modelled = ModelledTime(CostModel.from_dict(cost, f"{path} emulation"), speedup,
+                                     config.get("kv_capacity_tokens"))
         self.device, self.dtype = device, dtype
         self.kv_spec = KVSpec(config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"])
         self.vocab_size = config["vocab_size"]
@@ -49,49 +49,24 @@ class EmulatedRunner(ModelRunner):
             self.answers = AnswerLengths(config["answers"]["quantiles"]) if "answers" in config else None
         except (TypeError, KeyError, ValueError) as exc:
             raise ModelError(f"{path} answers: {exc}") from None
-        self.kv_capacity_tokens = config.get("kv_capacity_tokens")
         tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
         self.alphabet = [tokenizer.encode(c, add_special_tokens=False).ids[0] for c in ANSWER_ALPHABET]
         self._alphabet = torch.tensor(self.alphabet, dtype=torch.long, device=device)
-        self.last_modelled_s = 0.0  # the last step's modelled time, before the speedup
 
     @classmethod
     def from_engine_config(cls, model_dir, device, dtype, config) -> "EmulatedRunner":
         return cls(model_dir, device, dtype, config.emulation_speedup, config.emulation_step_model)
 
-    def time_coefficients(self) -> tuple[list[float], list[float]]:
-        return ([c / self.speedup for c in self.cost.prefill_coefficients()],
-                [c / self.speedup for c in self.cost.decode_coefficients()])
-
-    def transfer_seconds(self, num_tokens: int) -> float:
-        """The modelled KV of `num_tokens` over the modelled node's network (the real bytes are small)."""
-        return self.cost.transfer_s(self.cost.kv_bytes(num_tokens)) / self.speedup
-
-    def activation_seconds(self, num_tokens: int) -> float:
-        """The modelled hidden states of `num_tokens` over the modelled network, as the simulator charges a
-        CPP stage boundary (the real ones are a digest per token)."""
-        return self.cost.transfer_s(num_tokens * self.cost.activation_bytes_per_token) / self.speedup
-
-    def step_seconds(self, batch: ForwardBatch) -> float:
-        """The step's time on the emulated hardware (CostModel.step_s): decode reads the weights once and
-        every batched sequence's KV; each prefill chunk costs Eq. 1 over its context less what was computed
-        before; a mixed step as the cost model's step_model says."""
-        context = int(batch.positions[:batch.num_decode].sum()) + batch.num_decode if batch.num_decode else 0
-        chunks = [(len(span.context_slots), len(span.context_slots) - span.num_tokens) for span in batch.prefills]
-        return self.cost.step_s(chunks, batch.num_decode, context)
-
     def forward(self, batch: ForwardBatch, kv: torch.Tensor, on_layer=None) -> torch.Tensor:
-        """The batch's KV and logits at once; the engine then waits out `modelled_step_s` (from the step's
-        start, so scheduling, sampling and this count toward it), calling `on_layer` at each layer's
-        modelled end."""
-        self.last_modelled_s = self.step_seconds(batch)
-        self.modelled_step_s = self.last_modelled_s / self.speedup
+        """The batch's KV and logits at once; the engine then waits out what `modelled` says the step takes
+        (from the step's start, so scheduling, sampling and this count toward it), handing each layer on
+        at its modelled end."""
         self._write_kv(batch, kv)
         return self._logits(batch, kv)
 
     def forward_stage(self, batch: ForwardBatch, kv: torch.Tensor, layers: range,
                       hidden: torch.Tensor | None) -> torch.Tensor:
-        """A CPP stage: its layers' KV, and the stage's share of the step's modelled time. The "hidden
+        """A CPP stage: its layers' KV (the stage waits out its share of the step's modelled time). The "hidden
         state" handed on is each token's (digest, answer run, prompt key) (int64 [num_tokens, 3]), taken by
         the first stage from layer 0 as `forward` takes them, so the last stage picks the tokens `forward`
         would."""
@@ -103,8 +78,6 @@ class EmulatedRunner(ModelRunner):
             raise ModelError("a stage takes the previous stage's hidden states, and only the first stage none")
         if kv.shape[0] != len(layers):
             raise ModelError(f"a stage of {len(layers)} layers was given a cache of {kv.shape[0]}")
-        self.last_modelled_s = self.step_seconds(batch) * len(layers) / num_layers
-        self.modelled_step_s = self.last_modelled_s / self.speedup
         self._write_kv(batch, kv, layers)
         if hidden is None:
             hidden = torch.zeros(len(batch.input_ids), 3, dtype=torch.int64, device=self.device)

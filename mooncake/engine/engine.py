@@ -91,8 +91,8 @@ class LLMEngine:
                                  self.runner.max_position_embeddings)
         if config.num_kv_blocks:
             num_blocks = config.num_kv_blocks
-        elif self.runner.kv_capacity_tokens:
-            num_blocks = max(1, self.runner.kv_capacity_tokens // self.block_size)
+        elif self.runner.modelled and self.runner.modelled.kv_capacity_tokens:
+            num_blocks = max(1, self.runner.modelled.kv_capacity_tokens // self.block_size)
         else:
             num_blocks = max(1, config.kv_cache_bytes // self.runner.kv_spec.block_bytes(self.block_size, self.dtype))
         self.kv_cache = PagedKVCache(self.runner.kv_spec, num_blocks, self.block_size, self.dtype, self.device)
@@ -225,10 +225,12 @@ class LLMEngine:
         filled = self._filling(scheduled) if self.layer_sink is not None else []
         sink = self.layer_sink
         on_layer = (lambda layer: sink(layer, filled, None)) if filled else None
+        modelled = self.runner.modelled
+        modelled_s = modelled.step_seconds(batch) if modelled else None
         try:
-            logits = self.runner.forward(batch, self.kv_cache.kv, None if self.runner.models_time else on_layer)
-            if filled and self.runner.models_time:
-                self._hand_over_modelled_layers(filled, started, self.runner.modelled_step_s or 0.0)
+            logits = self.runner.forward(batch, self.kv_cache.kv, None if modelled else on_layer)
+            if filled and modelled:
+                self._hand_over_modelled_layers(filled, started, modelled_s)
             self.scheduler.on_computed(scheduled)
             if prompt_rows:
                 for r, logprobs in zip(prompt_rows, prompt_logprobs_of(logits, prompt_rows)):
@@ -238,8 +240,8 @@ class LLMEngine:
             if None in tokens:
                 logits, sampled, tokens = self._drop_unsampled(logits, sampled, tokens)
             outputs = self._postprocess(sampled, tokens, logprobs_of(logits, sampled, tokens))
-            self.last_modelled_s = self.runner.modelled_step_s
-            if self.last_modelled_s:
+            self.last_modelled_s = modelled_s
+            if modelled_s:
                 now = time.perf_counter()
                 self.modelled_end = max(now, started + self.last_modelled_s)
                 if self.modelled_end > now:

@@ -7,11 +7,15 @@ logits for the tokens listed in `logits_indices`. `kv_spec` sizes the cache at s
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from mooncake.engine.kv_cache import KVSpec
 from mooncake.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from mooncake.engine.modelled_time import ModelledTime
 
 
 @dataclass(frozen=True)
@@ -60,34 +64,9 @@ class ModelRunner(ABC):
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
 
-    kv_capacity_tokens: int | None = None
-    """Tokens of KV the modelled hardware holds, for a runner that emulates it (the engine then sizes its
-    cache to that, not to engine.kv_cache_bytes); None: the cache is sized by bytes."""
-
-    models_time: bool = False
-    """True for a runner that emulates hardware: its forward returns at once and sets `modelled_step_s`,
-    which the engine then waits out."""
-
-    modelled_step_s: float | None = None
-    """What the last forward should have taken on the hardware the runner emulates (after its speedup),
-    set by each forward; engines compare it with what the step really took. None for a real runner."""
-
-    def time_coefficients(self) -> tuple[list[float], list[float]] | None:
-        """What this runner's steps take, when it knows without measuring (an emulated runner: its cost
-        model): prefill seconds c0 + c1*(n - r) + c2*(n^2 - r^2) and decode step seconds a + b*batch +
-        c*context, as ([c0, c1, c2], [a, b, c]). Instances send them when they register and the conductor
-        seeds its estimators with them. None: the conductor starts from its configured seeds."""
-        return None
-
-    def transfer_seconds(self, num_tokens: int) -> float:
-        """Time that moving `num_tokens` of KV over the network costs beyond moving the real bytes: an
-        emulated runner's KV is smaller than the KV it models. 0 for a real runner."""
-        return 0.0
-
-    def activation_seconds(self, num_tokens: int) -> float:
-        """Time that handing `num_tokens`' hidden states to the next CPP stage costs beyond moving the real
-        bytes (an emulated runner's are smaller than those it models). 0 for a real runner."""
-        return 0.0
+    modelled: "ModelledTime | None" = None
+    """A runner that emulates hardware: what its steps, KV and hidden states would take there (the engine
+    waits that out; its forward returns at once). None for a real runner, whose steps take what they take."""
 
     @classmethod
     def from_engine_config(cls, model_dir, device: torch.device, dtype: torch.dtype, config) -> "ModelRunner":
@@ -102,8 +81,7 @@ class ModelRunner(ABC):
         ([len(layers), 2, slots, kv_heads, head_dim]: kv[i] is layer layers.start + i), from the previous stage's
         `hidden` states ([num_tokens, ...], as the previous stage returned them; None for the first
         stage, which embeds input_ids). Returns the hidden states after layers.stop - 1 for the next stage,
-        or, when layers.stop is the last layer, float32 logits as `forward` does. An emulated runner
-        sets `modelled_step_s` to the stage's share of the step."""
+        or, when layers.stop is the last layer, float32 logits as `forward` does."""
         raise UnsupportedModelError(f"the {type(self).__name__} model backend cannot run CPP pipeline stages")
 
     @abstractmethod
@@ -111,6 +89,5 @@ class ModelRunner(ABC):
                 on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Write the batch's new KV into `kv` ([layers, 2, slots, kv_heads, head_dim]) and return
         float32 logits [len(batch.logits_indices), vocab_size]. `on_layer(i)`, where given, is called as
-        soon as layer i's new KV is in `kv`, before layer i + 1 computes (layer-wise KV streaming). A
-        runner that models its time (`modelled_step_s`) does not call it: the engine calls it at the
-        modelled layer times."""
+        soon as layer i's new KV is in `kv`, before layer i + 1 computes (layer-wise KV streaming). An
+        emulated runner (`modelled`) is not given one: the engine hands each layer on at its modelled end."""

@@ -127,9 +127,10 @@ class PipelineStage:
         batch = self._batch(job, start, end)
         out = runner.forward_stage(batch, self.view.kv, self.layers, hidden)
         job.done = end
-        if runner.models_time:
+        if runner.modelled:
             now = time.perf_counter()
-            job.modelled_end = max(now, started + (runner.modelled_step_s or 0.0))
+            share = len(self.layers) / runner.kv_spec.num_layers
+            job.modelled_end = max(now, started + runner.modelled.step_seconds(batch, share))
             if job.modelled_end > now:
                 time.sleep(job.modelled_end - now)
         return out

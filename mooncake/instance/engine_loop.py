@@ -45,8 +45,8 @@ class EngineFacts:
     num_layers: int
     num_kv_blocks: int
     serial_prefill: bool  # the scheduler computes one prompt's chunk per step (engine.prefill_batching)
-    time_coefficients: tuple[list[float], list[float]] | None  # ModelRunner.time_coefficients
-    # an emulated model's network (ModelRunner.transfer_seconds / activation_seconds, linear as the cost
+    time_coefficients: tuple[list[float], list[float]] | None  # an emulated model's (ModelledTime), else None
+    # an emulated model's network (ModelledTime.transfer_seconds / activation_seconds, linear as the cost
     # model's network): per KV block and per token of hidden states; 0 for a real model
     transfer_s_per_block: float
     activation_s_per_token: float
@@ -70,13 +70,13 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, on_outputs: OnOutputs, on_failed: OnFailed):
         self.engine = engine
-        runner = engine.runner
+        runner, modelled = engine.runner, engine.runner.modelled
         self.facts = EngineFacts(
             model_id=engine.model.model_id, block_size=engine.block_size, num_layers=runner.kv_spec.num_layers,
             num_kv_blocks=engine.pool.num_blocks, serial_prefill=engine.scheduler.serial_prefill,
-            time_coefficients=runner.time_coefficients(),
-            transfer_s_per_block=runner.transfer_seconds(engine.block_size),
-            activation_s_per_token=runner.activation_seconds(1))
+            time_coefficients=modelled.time_coefficients() if modelled else None,
+            transfer_s_per_block=modelled.transfer_seconds(engine.block_size) if modelled else 0.0,
+            activation_s_per_token=modelled.activation_seconds(1) if modelled else 0.0)
         self.stats = EngineStats(num_kv_blocks_used=engine.pool.num_used)
         self._stepping = False  # a step (or a long call) runs on the engine thread
         self._cached: set[int] = set(engine.pool.hash_to_block)  # the prefix cache's keys, as of the last gap

@@ -31,13 +31,13 @@ def run(engine, ids, params=GREEDY, **kwargs):
     modelled = 0.0
     while engine.has_unfinished():
         engine.step()
-        modelled += engine.runner.last_modelled_s
+        modelled += engine.last_modelled_s * engine.runner.modelled.speedup
     return engine.pop_completion(rid), modelled
 
 
 def test_under_the_additive_step_model_it_charges_eq_1_for_the_uncached_prompt_and_a_decode_step_per_token(cfg):
     engine = LLMEngine(dataclasses.replace(cfg, emulation_step_model="additive"))
-    cost = engine.runner.cost
+    cost = engine.runner.modelled.cost
     prompt = list(range(3, 203))  # 200 tokens: four chunks of 64 and one of 8
     out, modelled = run(engine, prompt, SamplingParams(max_tokens=1))
     assert modelled == pytest.approx(cost.prefill_s(200))  # the chunks' costs add up to the whole prompt's
@@ -49,7 +49,7 @@ def test_under_the_additive_step_model_it_charges_eq_1_for_the_uncached_prompt_a
 
 def test_under_the_roofline_a_step_costs_its_larger_bound_and_a_mixed_step_less_than_its_parts(cfg):
     engine = LLMEngine(cfg)  # the model's own step model: roofline
-    cost = engine.runner.cost
+    cost = engine.runner.modelled.cost
     assert cost.step_model == "roofline"
     prompt = list(range(3, 203))
     out, modelled = run(engine, prompt, SamplingParams(max_tokens=1))
@@ -66,7 +66,7 @@ def test_under_the_roofline_a_step_costs_its_larger_bound_and_a_mixed_step_less_
         totals[name] = 0.0
         while each.has_unfinished():
             each.step()
-            totals[name] += each.runner.last_modelled_s
+            totals[name] += each.last_modelled_s * each.runner.modelled.speedup
         assert len(each.pop_completion(first).token_ids) == 40
     prefill = cost.prefill_s(64) + cost.prefill_s(128, 64)  # the joining prompt's two chunks, alone
     assert totals["additive"] == pytest.approx(totals["roofline"] + prefill, rel=0.02)
@@ -166,8 +166,8 @@ def test_an_answer_ends_at_the_same_length_after_a_kv_hand_off_or_a_recomputed_m
 
 def test_moving_kv_costs_the_modelled_bytes_over_the_modelled_network(cfg):
     engine = LLMEngine(cfg)
-    cost = engine.runner.cost
-    assert engine.runner.transfer_seconds(1000) == pytest.approx(1000 * cost.kv_bytes_per_token
+    cost = engine.runner.modelled.cost
+    assert engine.runner.modelled.transfer_seconds(1000) == pytest.approx(1000 * cost.kv_bytes_per_token
                                                                  / cost.network_bytes_per_s / cfg.emulation_speedup)
 
 
@@ -182,10 +182,10 @@ def test_a_cpp_hop_costs_what_the_simulator_charges_a_stage_boundary(cfg):
     from mooncake.transfer.modelled import ModelledNetwork
 
     engine = LLMEngine(cfg)
-    cost = engine.runner.cost
+    cost = engine.runner.modelled.cost
     sim = CppSettings(2, 0, 2048, cost.activation_bytes_per_token)  # as mooncake/sim/disaggregated.py makes it
-    assert engine.runner.activation_seconds(2048) == pytest.approx(2048 * engine.runner.activation_seconds(1))
-    network = ModelledNetwork(load_backend("transports", "inproc")(), 0.0, 1, engine.runner.activation_seconds(1))
+    assert engine.runner.modelled.activation_seconds(2048) == pytest.approx(2048 * engine.runner.modelled.activation_seconds(1))
+    network = ModelledNetwork(load_backend("transports", "inproc")(), 0.0, 1, engine.runner.modelled.activation_seconds(1))
     hop_s = network.modelled_s([encode_hidden(torch.zeros(2048, 4))])
     assert hop_s > 0
     assert hop_s == pytest.approx(sim.hop_s(2048, cost.network_bytes_per_s) / cfg.emulation_speedup)
@@ -249,11 +249,12 @@ def test_a_stages_chunks_keep_the_emulated_devices_clock_when_the_host_hands_bac
     stage.begin("r2", list(range(3, 259)))
     for rid, back_to_back in (("r1", True), ("r2", False)):
         since, chunks = None, []
-        for _ in range(4):
+        for i in range(4):
             called = time.perf_counter()
             stage.run(rid, 64, None, since)
             end = stage.modelled_end(rid)
-            chunks.append((since or called, end, engine.runner.modelled_step_s))
+            modelled = engine.runner.modelled
+            chunks.append((since or called, end, modelled.cost.step_s([(64 * (i + 1), 64 * i)]) / modelled.speedup))
             time.sleep(0.015)  # the host hands the chunk back late
             since = end if back_to_back else None
         for start, end, modelled in chunks:

@@ -22,7 +22,7 @@ def test_every_filled_block_reaches_the_sink_layer_by_layer_as_each_layer_is_wri
         return bytes(engine.export_blocks([(block, 0)], layer)[0].data)
 
     def sink(layer, filled, ready_at):
-        assert (ready_at is not None) == (layer is not None and engine.runner.models_time)
+        assert (ready_at is not None) == (layer is not None and engine.runner.modelled is not None)
         calls.append(None if layer is None else (layer, [(f.first_block, len(f.blocks)) for f in filled]))
         if layer is None:
             engine.pool.release([block for f in filled for block, _ in f.blocks])
@@ -31,7 +31,7 @@ def test_every_filled_block_reaches_the_sink_layer_by_layer_as_each_layer_is_wri
         for f in filled:
             for i, (block, _) in enumerate(f.blocks):
                 seen[(f.first_block + i, layer)] = layer_bytes(block, layer)
-                if layer + 1 < num_layers and not engine.runner.models_time:  # the next layer: not yet
+                if layer + 1 < num_layers and not engine.runner.modelled:  # the next layer: not yet
                     seen[(f.first_block + i, layer + 1, "early")] = layer_bytes(block, layer + 1)
 
     engine.layer_sink = sink
