@@ -31,13 +31,11 @@ CONTRACTS = {
 # (importer's package or module, imported module or package): why the rule allows it
 EXCEPTIONS = {
     ("mooncake", "mooncake.engine"): "the package's public mooncake.LLMEngine, imported lazily on first use",
-    ("mooncake.engine.runner", "mooncake.engine.kv_cache"): "the KV geometry (KVSpec) the contract names",
     ("mooncake.prefill", "mooncake.instance"): "what prefill and decode instances share",
     ("mooncake.decode", "mooncake.instance"): "what prefill and decode instances share",
     ("mooncake.instance.engine_loop", "mooncake.engine"): "the one door into the engine",
     ("mooncake.sim", "mooncake.conductor"): "the simulator runs the conductor's own decision code",
     ("mooncake.sim", "mooncake.store.eviction"): "the simulator runs the cache node's eviction policies",
-    ("backends.models", "mooncake.engine.kv_cache"): "the KV geometry (KVSpec) the runner contract names",
     ("backends.storage.dram", "backends.transports.shm"): "a DRAM tier in shared memory uses shm's segments",
 }
 

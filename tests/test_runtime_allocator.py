@@ -9,7 +9,8 @@ import pytest
 PROGRAM = """
 import resource, sys
 import torch
-from mooncake.engine.kv_cache import KVSpec, PagedKVCache
+from mooncake.engine.kv_cache import PagedKVCache
+from mooncake.kv_geometry import KVSpec
 from mooncake.runtime import tune_allocator
 if sys.argv[1] == "tuned":
     assert tune_allocator()

@@ -23,10 +23,10 @@ from tokenizers import Tokenizer
 
 from mooncake.answer_lengths import ANSWER_ALPHABET, KV_MODULUS, AnswerLengths, kv_cells, mix
 from mooncake.cost import CostModel
-from mooncake.engine.kv_cache import KVSpec
 from mooncake.engine.modelled_time import ModelledTime
 from mooncake.engine.runner import ForwardBatch, ModelRunner
 from mooncake.errors import ModelError
+from mooncake.kv_geometry import KVSpec
 
 
 
@@ -41,7 +41,7 @@ class EmulatedRunner(ModelRunner):
         self.modelled = ModelledTime(CostModel.from_dict(cost, f"{path} emulation"), speedup,
                                      config.get("kv_capacity_tokens"))
         self.device, self.dtype = device, dtype
-        self.kv_spec = KVSpec(config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"])
+        self.kv_spec = KVSpec.from_model_config(config)
         self.vocab_size = config["vocab_size"]
         self.max_position_embeddings = config["max_position_embeddings"]
         self.eos_token_ids = (config["eos_token_id"],)

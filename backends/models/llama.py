@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from backends.kernels import paged_attention
-from mooncake.engine.kv_cache import KVSpec
 from mooncake.engine.runner import ForwardBatch, ModelRunner
 from mooncake.errors import ModelError, UnsupportedModelError
+from mooncake.kv_geometry import KVSpec
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +33,11 @@ class LlamaRunner(ModelRunner):
         self.config = config
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.kv_spec = KVSpec.from_model_config(config.to_dict())
+        self.num_kv_heads, self.head_dim = self.kv_spec.num_kv_heads, self.kv_spec.head_dim
         self.eps = config.rms_norm_eps
         self.vocab_size = config.vocab_size
         self.max_position_embeddings = config.max_position_embeddings
-        self.kv_spec = KVSpec(self.num_layers, self.num_kv_heads, self.head_dim)
         self.eos_token_ids = _eos_ids(model_dir, config)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"{model_dir}: hidden_act {config.hidden_act!r}, only silu is supported")

@@ -33,6 +33,7 @@ from mooncake.conductor.prefix_index import PrefixIndex
 from mooncake.conductor.view import Placement, RequestView
 from mooncake.config import MooncakeConfig
 from mooncake.errors import InvalidRequestError, LegFailed, Rejected, Unavailable
+from mooncake.kv_geometry import KVSpec, dtype_bytes
 from mooncake.models import resolve_model
 from mooncake.runtime import Supervisor
 from mooncake.sampling import SamplingParams, wire_sampling
@@ -83,10 +84,10 @@ class Conductor(Membership):
         self.block_size = self.config.engine.block_size
         max_positions = self.model.config.get("max_position_embeddings", 2048)
         self.max_model_len = min(self.config.engine.max_model_len or max_positions, max_positions)
-        self.block_bytes = self._kv_bytes_per_token() * self.block_size
-        dtype_bytes = 4 if self.config.engine.kv_dtype == "float32" else 2
+        kv_dtype = self.config.engine.kv_dtype
+        self.block_bytes = KVSpec.from_model_config(self.model.config).block_bytes(self.block_size, kv_dtype)
         hidden = self.model.config.get("hidden_size")  # an emulated model may not say: the default then
-        self.decider.policy.cpp = CppSettings.from_config(self.cfg, hidden * dtype_bytes if hidden else None)
+        self.decider.policy.cpp = CppSettings.from_config(self.cfg, hidden * dtype_bytes(kv_dtype) if hidden else None)
         self.supervisor = Supervisor(self.name)
         if self.cfg.etcd_endpoints:
             self.leadership = Leadership(self.cfg.etcd_endpoints, self.cfg.etcd_key, self.cfg.leader_ttl_s,
@@ -122,13 +123,6 @@ class Conductor(Membership):
         await self.control.stop()
         if self.leadership is not None:
             await self.leadership.close()  # NOTE: after the socket closed: a standby may listen at once
-
-    def _kv_bytes_per_token(self) -> int:
-        c = self.model.config
-        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        num_kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
-        dtype_bytes = 4 if self.config.engine.kv_dtype == "float32" else 2
-        return 2 * c["num_hidden_layers"] * num_kv_heads * head_dim * dtype_bytes
 
     def health(self) -> dict:
         return {role: [i.instance_id for i in self.registry.alive(role)] for role in ("prefill", "decode")} | {

@@ -94,7 +94,7 @@ class LLMEngine:
         elif self.runner.modelled and self.runner.modelled.kv_capacity_tokens:
             num_blocks = max(1, self.runner.modelled.kv_capacity_tokens // self.block_size)
         else:
-            num_blocks = max(1, config.kv_cache_bytes // self.runner.kv_spec.block_bytes(self.block_size, self.dtype))
+            num_blocks = max(1, config.kv_cache_bytes // self.runner.kv_spec.block_bytes(self.block_size, config.kv_dtype))
         self.kv_cache = PagedKVCache(self.runner.kv_spec, num_blocks, self.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks)
         # NOTE: "auto" is resolved by the instance's role (instance/worker.py); a bare engine batches.

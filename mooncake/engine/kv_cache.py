@@ -19,20 +19,8 @@ import numpy as np
 import torch
 
 from mooncake.errors import KVPayloadError
+from mooncake.kv_geometry import KVSpec
 from mooncake.kv_payload import KVPayload
-
-
-@dataclass(frozen=True)
-class KVSpec:
-    """What a model needs stored per token."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
 @dataclass(frozen=True)

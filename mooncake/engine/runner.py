@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mooncake.engine.kv_cache import KVSpec
+from mooncake.kv_geometry import KVSpec
 from mooncake.errors import UnsupportedModelError
 
 if TYPE_CHECKING:

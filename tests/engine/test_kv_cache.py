@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from mooncake.engine.kv_cache import KVSpec, PagedKVCache
+from mooncake.engine.kv_cache import PagedKVCache
+from mooncake.kv_geometry import KVSpec
 from mooncake.kv_payload import KVPayload
 
 
