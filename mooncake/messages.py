@@ -13,12 +13,12 @@ from typing import Any, ClassVar, Union
 import msgspec
 
 from mooncake.errors import MooncakeError
-from mooncake.sampling import TokenLogprob
+from mooncake.sampling import TokenLogprob, WireSampling
 
-VERSION = 6  # 2: logprobs on PrefillDone and Tokens; kv_dtype and time coefficients on Register; 3: StepTokens;
+VERSION = 7  # 2: logprobs on PrefillDone and Tokens; kv_dtype and time coefficients on Register; 3: StepTokens;
 # 4: PrefillStage; 5: reuse_blocks on PrefillStage, pool_first_block on Decode; 6: the front door (API
 # processes: Place, Placed, HandOff, LegEnded, LegLost; reply_to on Prefill, PrefillStage and Decode;
-# progress on Heartbeat; legs on Register)
+# progress on Heartbeat; legs on Register); 7: sampling as a typed WireSampling, not a map
 _TYPES: dict[str, type] = {}
 
 
@@ -127,9 +127,6 @@ class ErrorReply(Message, tag="error"):
 
 # -- conductor <-> instances (one DEALER per instance to the conductor's ROUTER) -----------------------
 
-# The sampling fields instances need, by name; values are checked again when SamplingParams is built.
-Sampling = dict[str, int | float | bool | str | None | list[int]]
-
 class Register(Message, tag="register"):
     """Instance or API process -> conductor, on start (and when a new conductor does not know it): who it
     is, what it runs, where peers send it KV; an API process names the legs it holds (`legs`)."""
@@ -200,7 +197,7 @@ class Prefill(Message, tag="prefill"):
     request_id: str
     token_ids: list[int]
     block_hashes: list[int]
-    sampling: Sampling  # without stop strings (the conductor matches those)
+    sampling: WireSampling  # without stop strings (the conductor matches those)
     decode_id: str
     decode_transport: str
     decode_address: str
@@ -218,7 +215,7 @@ class PrefillStage(Message, tag="prefill_stage"):
     request_id: str
     token_ids: list[int]
     block_hashes: list[int]
-    sampling: Sampling
+    sampling: WireSampling
     stage: int
     num_stages: int
     chunk_tokens: int
@@ -255,7 +252,7 @@ class Decode(Message, tag="decode"):
     request_id: str
     token_ids: list[int]  # prompt + the first token
     block_hashes: list[int]  # of the prompt's full blocks
-    sampling: Sampling  # max_tokens already counts the first token out
+    sampling: WireSampling  # max_tokens already counts the first token out
     # Write the prompt's blocks from this one on to the pool once imported (a CPP group's: its stages hold
     # only their layers, so no prefill instance can); None: write none.
     pool_first_block: int | None = None
@@ -304,7 +301,7 @@ class Place(Message, tag="place"):
     request_id: str  # the leg's wire id
     token_ids: list[int]  # the prompt and every token already streamed
     block_hashes: list[int]
-    sampling: Sampling  # max_tokens: what the leg may still produce
+    sampling: WireSampling  # max_tokens: what the leg may still produce
     admit: bool = True
     avoid: list[str] = []  # instances not to use while others of their role are alive
     deadline_s: float = 60.0  # seconds the request has left
@@ -337,7 +334,7 @@ class HandOff(Message, tag="hand_off"):
     decode_id: str
     token_ids: list[int]  # the leg's prompt and its first token
     block_hashes: list[int]  # of the leg's prompt
-    sampling: Sampling  # max_tokens: what decode may still produce
+    sampling: WireSampling  # max_tokens: what decode may still produce
     go_on: bool = True
     pool_first_block: int | None = None
     reply_to: str = ""

@@ -117,13 +117,36 @@ def _check_number(name: str, value, low: float) -> None:
         raise InvalidRequestError(f"{name} must be >= {low:g}, got {value}", name)
 
 
-def wire_sampling(params: SamplingParams, max_tokens: int | None = None, resumed: int = 0) -> dict:
-    """The sampling fields instances need, as messages carry them; stop strings stay with the API process
-    (it matches them on text). `resumed`: the tokens already generated, at the end of the leg's prompt (decode
-    after prefill, a migrated leg): the grammar replays them, and there are no prompt logprobs to compute."""
-    wire = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-            "seed": params.seed, "ignore_eos": params.ignore_eos, "stop_token_ids": list(params.stop_token_ids),
-            "logprobs": params.logprobs, "prefix_root": params.prefix_root,
-            "prompt_logprobs": None if resumed else params.prompt_logprobs, "grammar": params.grammar,
-            "grammar_done": resumed}
-    return wire if max_tokens is None else {**wire, "max_tokens": max_tokens}
+class WireSampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The sampling fields an instance needs, as control messages carry them: their types are checked when
+    a message is decoded, their values when `params` builds the SamplingParams. Stop strings stay with the
+    API process, which matches them on text. Defaults as SamplingParams'."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    grammar: str | None = None
+    grammar_done: int = 0
+    prefix_root: int = 0
+
+    def params(self, **changes) -> SamplingParams:
+        """The SamplingParams these fields give (with `changes`), validated: InvalidRequestError names a
+        field out of its bounds."""
+        return SamplingParams(**({name: getattr(self, name) for name in self.__struct_fields__} | changes))
+
+
+def wire_sampling(params: SamplingParams, max_tokens: int, resumed: int = 0) -> WireSampling:
+    """`params` as messages carry them, for a leg that may produce `max_tokens`. `resumed`: the tokens
+    already generated, at the end of the leg's prompt (decode after prefill, a migrated leg): the grammar
+    replays them, and there are no prompt logprobs to compute."""
+    return WireSampling(
+        max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        seed=params.seed, stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs, prompt_logprobs=None if resumed else params.prompt_logprobs,
+        grammar=params.grammar, grammar_done=resumed, prefix_root=params.prefix_root)

@@ -36,7 +36,7 @@ from mooncake.errors import InvalidRequestError, LegFailed, Rejected, Unavailabl
 from mooncake.kv_geometry import KVSpec, dtype_bytes
 from mooncake.models import resolve_model
 from mooncake.runtime import Supervisor
-from mooncake.sampling import SamplingParams, wire_sampling
+from mooncake.sampling import SamplingParams, WireSampling, wire_sampling
 
 log = logging.getLogger(__name__)
 ENDED_KEPT = 65536  # legs over lately whose request record may still come (their owners)
@@ -155,7 +155,7 @@ class Conductor(Membership):
     async def _placement(self, msg: m.Place, owner: str) -> m.Placed:
         rid = msg.request_id
         try:
-            params = SamplingParams(**{**msg.sampling, "stop": ()})
+            params = msg.sampling.params()
         except (InvalidRequestError, TypeError) as exc:
             return m.Placed(request_id=rid, refusal="invalid", error=str(exc))
         if rid in self.flights or len(msg.block_hashes) != len(msg.token_ids) // self.block_size:
@@ -233,7 +233,7 @@ class Conductor(Membership):
         """(instance id, message, its encoding) of a leg's prefill: one `Prefill`, or for a CPP leg a
         `PrefillStage` to every instance of the group, each told where the next stage is."""
         tokens, hashes, wire_id = flight.prompt_token_ids, flight.block_hashes, flight.request_id
-        sampling = {k: v for k, v in _wire(flight.params).items() if k != "max_tokens"}
+        sampling = _wire(flight.params)  # NOTE: prefill samples the first token only, whatever max_tokens says
         deadline_s = max(0.01, min(self.cfg.prefill_timeout_s, time_left_s))
         decode_address = decode.data_address if ships_kv else ""
         if not p.stage_ids:
@@ -291,7 +291,7 @@ class Conductor(Membership):
                                                                    f"cluster"))
                 return
             try:
-                params = SamplingParams(**{**msg.sampling, "stop": ()})
+                params = msg.sampling.params()
             except (InvalidRequestError, TypeError):
                 return
             flight = Flight(done.request_id, list(msg.token_ids[:-1]), params, owner, msg.reply_to,
@@ -402,5 +402,5 @@ class Conductor(Membership):
         task.add_done_callback(self._sends.discard)
 
 
-def _wire(params: SamplingParams) -> dict:
+def _wire(params: SamplingParams) -> WireSampling:
     return wire_sampling(params, max_tokens=params.max_tokens, resumed=params.grammar_done)

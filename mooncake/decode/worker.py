@@ -17,7 +17,6 @@ import logging
 
 from mooncake import messages as m
 from mooncake.decode.inbox import KVInbox, inbox_ttl_s
-from mooncake.sampling import SamplingParams
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
 from mooncake.instance.pool import PoolAccess
 from mooncake.instance.worker import Worker
@@ -81,7 +80,7 @@ class DecodeWorker(Worker):
             log.info("%s: request %s: %d of %d prompt blocks arrived; computing the rest here", self.name,
                      msg.request_id, arrived, len(msg.block_hashes))
         try:
-            params = SamplingParams(**{**msg.sampling, "stop": ()})
+            params = msg.sampling.params()
             if payloads:  # verified and copied in while running streams keep stepping
                 kept = await self.loop.add_request_with_kv(msg.token_ids, params, msg.request_id, payloads)
                 if msg.pool_first_block is not None and self.pool.client is not None and kept > msg.pool_first_block:

@@ -29,7 +29,6 @@ from mooncake.hidden_payload import encode_hidden
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
 from mooncake.kv_payload import KVPayload, wire_blocks
 from mooncake.prefill.stage_link import StageInbox, chunk_key, run_stage, time_left
-from mooncake.sampling import SamplingParams
 from mooncake.transfer.contract import TransferError
 
 log = logging.getLogger(__name__)
@@ -90,7 +89,7 @@ class PrefillStages:
         n, sizes = len(msg.token_ids), job.sizes
         try:
             stage = self._stage(msg)
-            params = SamplingParams(**{**msg.sampling, "max_tokens": 1, "stop": ()})
+            params = msg.sampling.params(max_tokens=1)
         except (InvalidRequestError, TypeError, ValueError) as exc:
             self.jobs.pop(rid, None)
             await worker.report_failure(rid, f"CPP stage {msg.stage}: {exc}", is_invalid=True)

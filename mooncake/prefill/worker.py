@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from mooncake import messages as m
-from mooncake.sampling import SamplingParams, TokenLogprob
+from mooncake.sampling import TokenLogprob
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
 from mooncake.instance.pool import PoolAccess
 from mooncake.instance.worker import Worker
@@ -123,7 +123,7 @@ class PrefillWorker(Worker):
         entered = asyncio.get_running_loop().create_future()
         previous, self._last_entry = self._last_entry, entered
         try:
-            params = SamplingParams(**{**msg.sampling, "max_tokens": 1, "stop": ()})
+            params = msg.sampling.params(max_tokens=1)
             payloads = await self._read_pool(job)
             if previous is not None and self.loop.facts.serial_prefill:
                 await asyncio.shield(previous)  # NOTE: it always ends: each admission sets it when done
@@ -149,7 +149,7 @@ class PrefillWorker(Worker):
     async def _read_pool(self, job: _Job) -> list[KVPayload]:
         """The blocks the conductor said to reuse that this instance does not hold, from the cache pool."""
         msg = job.msg
-        if self.cache is None or msg.reuse_blocks <= 0 or msg.sampling.get("prompt_logprobs") is not None:
+        if self.cache is None or msg.reuse_blocks <= 0 or msg.sampling.prompt_logprobs is not None:
             return []  # NOTE: a prompt whose logprobs are wanted is computed whole (the conductor reuses none)
         local = self.loop.prefix_length(msg.block_hashes[:msg.reuse_blocks])
         wanted = msg.block_hashes[local:msg.reuse_blocks]

@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from mooncake import messages as m
+from mooncake.sampling import WireSampling
 from tests.api.test_api import Served
 
 REPORTS = "tcp://127.0.0.1:1"  # the stand-in API process's report address: carried, never dialled
@@ -59,7 +60,7 @@ def cluster(served):
 def place(api, rid: str, tokens: int = 130, **extra):
     api.send(m.encode(m.Place(request_id=rid, token_ids=list(range(tokens)),
                               block_hashes=list(range(1000, 1000 + tokens // 64)),
-                              sampling={"max_tokens": 8, "temperature": 0.0}, reply_to=REPORTS, **extra)))
+                              sampling=WireSampling(max_tokens=8, temperature=0.0), reply_to=REPORTS, **extra)))
     return recv(api, kind=m.Placed)
 
 
@@ -83,7 +84,7 @@ def test_a_leg_is_placed_handed_off_and_freed_with_the_api_process_named_as_its_
         assert sent.request_id == "r1" and sent.reply_to == REPORTS and sent.decode_id == "decode-a"
         assert place(api, "r1").refusal == "invalid"  # one leg, one placement
         api.send(m.encode(m.HandOff(done=done("r1"), decode_id="decode-a", token_ids=list(range(130)) + [5],
-                                    block_hashes=[1000, 1001], sampling={"max_tokens": 7}, reply_to=REPORTS)))
+                                    block_hashes=[1000, 1001], sampling=WireSampling(max_tokens=7), reply_to=REPORTS)))
         claimed = recv(decode, kind=m.Decode)
         assert claimed.request_id == "r1" and claimed.reply_to == REPORTS and claimed.token_ids[-1] == 5
         decode.send(m.encode(m.Heartbeat(instance_id="decode-a", seq=1, progress=[("r1", 3)])))
@@ -160,7 +161,7 @@ def test_an_api_process_silent_for_a_moment_keeps_its_legs_when_it_registers_aga
     try:
         held = placed_leg(prefill, api, "r4")
         hand_off = m.HandOff(done=done("r4"), decode_id="decode-a", token_ids=list(range(130)) + [5],
-                             block_hashes=[1000, 1001], sampling={"max_tokens": 7}, reply_to=REPORTS)
+                             block_hashes=[1000, 1001], sampling=WireSampling(max_tokens=7), reply_to=REPORTS)
         api.send(m.encode(hand_off))
         assert recv(decode, kind=m.Decode).request_id == "r4"
         silence(graced, "api-a")

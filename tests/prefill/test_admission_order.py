@@ -10,6 +10,7 @@ import pytest
 from mooncake import messages as m
 from mooncake.config import load_config
 from mooncake.prefill.worker import PrefillWorker
+from mooncake.sampling import WireSampling
 
 
 class SlowPool:
@@ -39,7 +40,7 @@ class RecordingLoop:
 
 
 def prefill(request_id: str, reuse_blocks: int) -> m.Prefill:
-    return m.Prefill(request_id=request_id, token_ids=list(range(40)), block_hashes=[1, 2], sampling={},
+    return m.Prefill(request_id=request_id, token_ids=list(range(40)), block_hashes=[1, 2], sampling=WireSampling(),
                      decode_id="decode-0", decode_transport="tcp", decode_address="", reuse_blocks=reuse_blocks)
 
 
