@@ -18,7 +18,8 @@ from mooncake.sampling import TokenLogprob, WireSampling
 VERSION = 7  # 2: logprobs on PrefillDone and Tokens; kv_dtype and time coefficients on Register; 3: StepTokens;
 # 4: PrefillStage; 5: reuse_blocks on PrefillStage, pool_first_block on Decode; 6: the front door (API
 # processes: Place, Placed, HandOff, LegEnded, LegLost; reply_to on Prefill, PrefillStage and Decode;
-# progress on Heartbeat; legs on Register); 7: sampling as a typed WireSampling, not a map
+# progress on Heartbeat; legs on Register); 7: sampling as a typed WireSampling, not a map; a Heartbeat's
+# role reports typed (cache, decode)
 _TYPES: dict[str, type] = {}
 
 
@@ -169,22 +170,54 @@ class Leave(Message, tag="leave"):
     instance_id: str
 
 
+class StepSample(msgspec.Struct, frozen=True, array_like=True):
+    """One engine step that produced tokens, for the conductor's decode step-time model."""
+
+    batch_size: int
+    context_tokens: int
+    seconds: float
+
+
+class EmulatedStep(msgspec.Struct, frozen=True, array_like=True):
+    """An emulated runner's step: what it modelled and what it took on this box (how far the box keeps pace)."""
+
+    modelled_s: float
+    measured_s: float
+
+
+class CacheChanges(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A prefill instance's local prefix cache since its last heartbeat, by block hash."""
+
+    added: list[int] = []
+    evicted: list[int] = []
+    is_snapshot: bool = False  # `added` is its whole prefix cache (after it registered, or a Resync)
+
+
+class LegProgress(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str  # the leg's wire id
+    num_tokens: int  # tokens decode produced for it so far
+
+
+class DecodeLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What only a decode instance reports."""
+
+    num_inbox_blocks: int = 0  # KV blocks pushed to it that no request has claimed yet
+    progress: list[LegProgress] = []  # each running leg's
+
+
 class Heartbeat(Message, tag="heartbeat"):
     """Instance -> conductor, every heartbeat interval: its load and what it measured since the last."""
 
     instance_id: str
+    seq: int = 0  # heartbeats since it registered: a gap means reports were lost
     num_waiting: int = 0
     num_running: int = 0
     num_kv_blocks_used: int = 0  # blocks some request holds (not merely cached)
     num_kv_blocks: int = 0
-    num_inbox_blocks: int = 0  # decode: KV blocks pushed to it that no request has claimed yet
-    step_samples: list[tuple[int, int, float]] = []  # decode: [batch, context tokens, seconds] per step
-    emulated_steps: list[tuple[float, float]] = []  # an emulated runner: [modelled, measured seconds] per step
-    cached_blocks: list[int] = []  # prefill: hashes newly in its local prefix cache
-    evicted_blocks: list[int] = []
-    is_snapshot: bool = False  # cached_blocks is its whole prefix cache (after it registered, or a Resync)
-    seq: int = 0  # heartbeats since it registered: a gap means reports were lost
-    progress: list[tuple[str, int]] = []  # decode: [request id, tokens it produced] of each running request
+    step_samples: list[StepSample] = []
+    emulated_steps: list[EmulatedStep] = []
+    cache: CacheChanges | None = None  # a prefill instance's
+    decode: DecodeLoad | None = None  # a decode instance's
 
 
 class Resync(Message, tag="resync"):

@@ -25,8 +25,8 @@ SAMPLES = [
     m.RegisterReply(accepted=False, error="wrong model", heartbeat_interval_s=0.25),
     m.Leave(instance_id="d1"),
     m.Heartbeat(instance_id="d0", num_waiting=1, num_running=3, num_kv_blocks_used=9, num_kv_blocks=100,
-                step_samples=[(3, 900, 0.02)], cached_blocks=[2**63], evicted_blocks=[4], num_inbox_blocks=2,
-                is_snapshot=True, seq=5),
+                step_samples=[m.StepSample(3, 900, 0.02)], emulated_steps=[m.EmulatedStep(0.05, 0.06)],
+                cache=m.CacheChanges(added=[2**63], evicted=[4], is_snapshot=True), seq=5),
     m.Resync(),
     m.Prefill(request_id="r1", token_ids=[1, 2, 3], block_hashes=[11], sampling=WireSampling(max_tokens=4),
               decode_id="d0", decode_transport="shm", decode_address="shm://x", reuse_blocks=1, deadline_s=9.0),
@@ -58,7 +58,8 @@ SAMPLES = [
     m.ClusterReply(health={"decode": ["d0"], "mode": "disaggregated"}, metrics="# HELP x\n"),
     m.Register(instance_id="api-1", role="api", model_id="tiny-abc", block_size=64, kv_dtype="float32",
                data_address="tcp://127.0.0.1:9", legs=[m.HeldLeg("r1", "d0", 120, 30)]),
-    m.Heartbeat(instance_id="d0", progress=[("r1", 12), ("r2", 0)]),
+    m.Heartbeat(instance_id="d0", decode=m.DecodeLoad(num_inbox_blocks=2, progress=[m.LegProgress("r1", 12),
+                                                                                    m.LegProgress("r2", 0)])),
 ]
 
 
@@ -89,7 +90,8 @@ def test_malformed_frames_are_message_errors(frame, match):
     ({"t": "leave", "instance_id": ["p0"]}, "$.instance_id"),  # once killed the conductor's receive loop
     ({"t": "exists", "keys": [[1, 2], [3]]}, "$.keys[0]"),  # once killed a cache node's control loop
     ({"t": "heartbeat", "instance_id": "d0", "step_samples": [[1, 2]]}, "$.step_samples[0]"),
-    ({"t": "heartbeat", "instance_id": "d0", "cached_blocks": ["x"]}, "$.cached_blocks[0]"),
+    ({"t": "heartbeat", "instance_id": "d0", "cache": {"added": ["x"]}}, "$.cache.added[0]"),
+    ({"t": "heartbeat", "instance_id": "d0", "decode": {"progress": [["r1"]]}}, "$.decode.progress[0]"),
     ({"t": "store_events", "node_id": "c", "events": [["add", "key", "dram"]]}, "$.events[0][1]"),
     ({"t": "prefill_done", "request_id": "r", "first_token": "7"}, "$.first_token"),
     ({"t": "register", "instance_id": "p0", "role": "prefill", "model_id": "m", "block_size": "64"},

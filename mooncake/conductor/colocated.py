@@ -4,9 +4,10 @@ under a token budget, with its local prefix cache), as vLLM does. The instance i
 request with no KV; the conductor picks the one with the fewest requests in flight, admits everything
 (vLLM has no early rejection) and streams and migrates as it does for Mooncake."""
 
-from mooncake.conductor.flight import Flight, Unavailable
+from mooncake.conductor.flight import Flight
 from mooncake.conductor.instances import InstanceRegistry
 from mooncake.conductor.view import Placement
+from mooncake.errors import Unavailable
 
 
 def place_colocated(registry: InstanceRegistry, flights: dict[str, Flight], avoid: tuple[str, ...] = ()) -> Placement:

@@ -221,39 +221,40 @@ class ControlPlane:
         """Its load and cache changes into the registry and the index; a Resync if reports were lost."""
         if instance.role == "api":
             return None
-        if msg.progress:
-            self.on_progress(instance, msg.progress)
+        if msg.decode is not None and msg.decode.progress:
+            self.on_progress(instance, msg.decode.progress)
         reply = None
         if msg.seq != instance.last_seq + 1 and instance.role == "prefill":
             log.warning("%s: heartbeat %d after %d; asking for its whole prefix cache", instance.instance_id,
                         msg.seq, instance.last_seq)
             reply = m.Resync()
         instance.last_seq = msg.seq
-        if msg.is_snapshot:
+        cache = msg.cache or m.CacheChanges()
+        if cache.is_snapshot:
             self.index.drop_holder(instance.instance_id)
-            log.info("%s: %d cached blocks indexed from its snapshot", instance.instance_id, len(msg.cached_blocks))
-        if msg.cached_blocks:
-            self.index.add(instance.instance_id, msg.cached_blocks)
-        if msg.evicted_blocks:
-            self.index.remove(instance.instance_id, msg.evicted_blocks)
+            log.info("%s: %d cached blocks indexed from its snapshot", instance.instance_id, len(cache.added))
+        if cache.added:
+            self.index.add(instance.instance_id, cache.added)
+        if cache.evicted:
+            self.index.remove(instance.instance_id, cache.evicted)
         # NOTE: no holder claims more blocks than its KV cache holds (one instance cannot fill the index): what
         # is over, after this report's evictions, goes from its newest additions.
         if (excess := self.index.count(instance.instance_id) - instance.num_kv_blocks) > 0:
             log.warning("%s reports %d cached blocks beyond its %d KV blocks; not indexed", instance.instance_id,
                         excess, instance.num_kv_blocks)
-            self.index.remove(instance.instance_id, msg.cached_blocks[-excess:])
-        for batch, context, seconds in msg.step_samples:
+            self.index.remove(instance.instance_id, cache.added[-excess:])
+        for sample in msg.step_samples:
             if instance.role == "decode":
-                self.estimators.decode_step.observe(batch, context, seconds)
-        for modelled, measured in msg.emulated_steps:
-            if modelled > 0:  # a malformed report is dropped, not divided by
-                self.metrics.emulated_step.labels(instance.role).observe(measured / modelled)
+                self.estimators.decode_step.observe(sample.batch_size, sample.context_tokens, sample.seconds)
+        for step in msg.emulated_steps:
+            if step.modelled_s > 0:  # a malformed report is dropped, not divided by
+                self.metrics.emulated_step.labels(instance.role).observe(step.measured_s / step.modelled_s)
         i = instance.instance_id
         self.metrics.waiting.labels(i).set(msg.num_waiting)
         self.metrics.running.labels(i).set(msg.num_running)
         self.metrics.kv_used.labels(i).set(msg.num_kv_blocks_used)
         if instance.role == "decode":
-            self.metrics.kv_inbox.labels(i).set(msg.num_inbox_blocks)
+            self.metrics.kv_inbox.labels(i).set(msg.decode.num_inbox_blocks if msg.decode else 0)
         self.metrics.index_blocks.set(len(self.index))
         return reply
 

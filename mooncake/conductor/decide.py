@@ -8,12 +8,13 @@ import logging
 from mooncake.conductor.admission import make_admission_policy
 from mooncake.conductor.cpp import CppSettings
 from mooncake.conductor.estimators import OutputLengthModel
-from mooncake.conductor.flight import Flight, Rejected, Unavailable
+from mooncake.conductor.flight import Flight
 from mooncake.conductor.instances import InstanceRegistry
 from mooncake.conductor.policies import Estimators, make_placement_policy
 from mooncake.conductor.prefix_index import PrefixIndex
 from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, Placement, PrefillView, RequestView
 from mooncake.config import ConductorConfig
+from mooncake.errors import Rejected, Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ dies, the conductor tells the leg's API process (`LegLost`), which moves the req
 from dataclasses import dataclass, field
 
 from mooncake.conductor.view import Placement
-from mooncake.errors import LegFailed, Rejected, RequestError, Unavailable  # noqa: F401  (the sim imports them here)
 from mooncake.sampling import SamplingParams
 
 

@@ -41,7 +41,7 @@ class InstanceRegistry:
         instance.last_seen_s = now
         instance.load = msg
         if msg.step_samples:
-            instance.step_s = sum(seconds for _, _, seconds in msg.step_samples) / len(msg.step_samples)
+            instance.step_s = sum(sample.seconds for sample in msg.step_samples) / len(msg.step_samples)
         return instance
 
     def expire(self, now: float) -> list[Instance]:

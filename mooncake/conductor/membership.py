@@ -57,11 +57,11 @@ class Membership:
         if msg.legs:
             log.info("API process %s holds %d legs; counted", instance.instance_id, len(msg.legs))
 
-    def _on_progress(self, instance: Instance, progress: list[tuple[str, int]]) -> None:
+    def _on_progress(self, instance: Instance, progress: list[m.LegProgress]) -> None:
         """A decode instance's heartbeat: how many tokens each of its legs has produced."""
-        for wire_id, num_decoded in progress:
-            if (flight := self.flights.get(wire_id)) is not None and instance.instance_id in flight.holders:
-                flight.num_decoded = num_decoded
+        for leg in progress:
+            if (flight := self.flights.get(leg.request_id)) is not None and instance.instance_id in flight.holders:
+                flight.num_decoded = leg.num_tokens
 
     def _on_dead(self, instance: Instance, why: str) -> None:
         """An instance died: every leg on it is lost, and its API process moves the request. An API process

@@ -50,10 +50,10 @@ class DecodeWorker(Worker):
         if self.transport is not None:
             await self.transport.stop()
 
-    def heartbeat_report(self) -> dict:
+    def decode_load(self) -> m.DecodeLoad:
         generated = self.loop.stats.output_tokens  # NOTE: as of the last gap between steps
-        progress = [(rid, generated[rid]) for rid in self.reports.reply_to if rid in generated]
-        return {"num_inbox_blocks": len(self.inbox), "progress": progress}
+        progress = [m.LegProgress(rid, generated[rid]) for rid in self.reports.reply_to if rid in generated]
+        return m.DecodeLoad(num_inbox_blocks=len(self.inbox), progress=progress)
 
     async def on_message(self, msg) -> None:
         if isinstance(msg, m.Decode):

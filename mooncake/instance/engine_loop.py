@@ -383,15 +383,15 @@ class EngineLoop:
             else:
                 self._cache_log.append((kind, block_hash))
 
-    def drain_step_samples(self) -> list[list]:
+    def drain_step_samples(self) -> list[tuple[int, int, float]]:
         return _drain(self.step_samples)
 
-    def drain_emulated_steps(self) -> list[list]:
+    def drain_emulated_steps(self) -> list[tuple[float, float]]:
         return _drain(self.emulated_steps)
 
 
-def _drain(samples: deque) -> list[list]:
+def _drain(samples: deque) -> list[tuple]:
     drained = []
     while samples:
-        drained.append(list(samples.popleft()))
+        drained.append(samples.popleft())
     return drained

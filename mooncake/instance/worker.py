@@ -102,12 +102,17 @@ class Worker:
         return m.Heartbeat(instance_id=self.instance_id, seq=self._num_heartbeats,
                            num_waiting=stats.num_waiting, num_running=stats.num_running,
                            num_kv_blocks_used=stats.num_kv_blocks_used, num_kv_blocks=self.loop.facts.num_kv_blocks,
-                           step_samples=self.loop.drain_step_samples(),
-                           emulated_steps=self.loop.drain_emulated_steps(),
-                           **self.heartbeat_report())
+                           step_samples=[m.StepSample(*sample) for sample in self.loop.drain_step_samples()],
+                           emulated_steps=[m.EmulatedStep(*step) for step in self.loop.drain_emulated_steps()],
+                           cache=self.cache_changes(), decode=self.decode_load())
 
-    def heartbeat_report(self) -> dict:
-        return {}
+    def cache_changes(self) -> m.CacheChanges | None:
+        """A prefill instance's prefix cache changes for the heartbeat."""
+        return None
+
+    def decode_load(self) -> m.DecodeLoad | None:
+        """A decode instance's own load for the heartbeat."""
+        return None
 
     def spawn_for(self, request_id: str, coro, what: str) -> asyncio.Task:
         """Run one request's step as its own task; an unexpected exception in it is logged and ends that

@@ -82,15 +82,15 @@ class PrefillWorker(Worker):
         if self.transport is not None:
             await self.transport.stop()
 
-    def heartbeat_report(self) -> dict:
+    def cache_changes(self) -> m.CacheChanges:
         """What entered and left the prefix cache since the last heartbeat; the whole cache instead when
         a snapshot was asked for (a new registration, a Resync, or more changes than the log keeps)."""
         changes = None if self._snapshot_due else self.loop.take_cache_changes()
         if changes is None:
             self._snapshot_due = False
-            return {"cached_blocks": self.loop.cache_snapshot(), "is_snapshot": True}
+            return m.CacheChanges(added=self.loop.cache_snapshot(), is_snapshot=True)
         added, evicted = changes
-        return {"cached_blocks": added, "evicted_blocks": evicted}
+        return m.CacheChanges(added=added, evicted=evicted)
 
     def on_registered(self) -> None:
         super().on_registered()

@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 
 from mooncake.conductor.cpp import CppSettings, pipelined_prefill_s
 from mooncake.conductor.decide import Decider
-from mooncake.conductor.flight import Rejected, Unavailable
 from mooncake.conductor.policies import Estimators
 from mooncake.conductor.prefix_index import PrefixIndex
 from mooncake.conductor.view import ClusterView, DecodeLoad, DecodeView, PrefillView, RequestView
 from mooncake.config import ConductorConfig, SimConfig
 from mooncake.cost import CostModel
-from mooncake.errors import ConfigError
+from mooncake.errors import ConfigError, Rejected, Unavailable
 from mooncake.sim.cluster import SimulatedCluster
 from mooncake.sim.metrics import RequestRecord
 from mooncake.sim.pool import NodePool

@@ -53,7 +53,7 @@ def test_decode_load_is_current_context_at_the_instances_last_step_time():
     # no step reported yet: the idle step time, 0.5 s; 40 tokens left from now, 20 from the hand-off
     assert batch_at(11.0) == (1, 110) and batch_at(12.0) == (2, 410) and batch_at(21.9) == (2, 410)
     assert batch_at(22.1) == (1, 110) and batch_at(29.9) == (1, 110) and batch_at(30.1) == (0, 0)
-    registry.heartbeat(m.Heartbeat(instance_id="decode-0", step_samples=[[1, 110, 0.1], [1, 111, 0.3]]), now=10.0)
+    registry.heartbeat(m.Heartbeat(instance_id="decode-0", step_samples=[m.StepSample(1, 110, 0.1), m.StepSample(1, 111, 0.3)]), now=10.0)
     assert batch_at(15.9) == (2, 410) and batch_at(16.1) == (1, 110) and batch_at(18.1) == (0, 0)  # at 0.2 s
     assert batch_at(16.9, now=13.0) == (2, 410) and batch_at(17.1, now=13.0) == (1, 110)  # a late hand-off
     decoding.num_decoded += 20  # at 20 s, 20 tokens later (decode's heartbeat says): 20 left, longer context

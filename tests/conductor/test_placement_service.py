@@ -87,7 +87,7 @@ def test_a_leg_is_placed_handed_off_and_freed_with_the_api_process_named_as_its_
                                     block_hashes=[1000, 1001], sampling=WireSampling(max_tokens=7), reply_to=REPORTS)))
         claimed = recv(decode, kind=m.Decode)
         assert claimed.request_id == "r1" and claimed.reply_to == REPORTS and claimed.token_ids[-1] == 5
-        decode.send(m.encode(m.Heartbeat(instance_id="decode-a", seq=1, progress=[("r1", 3)])))
+        decode.send(m.encode(m.Heartbeat(instance_id="decode-a", seq=1, decode=m.DecodeLoad(progress=[m.LegProgress("r1", 3)]))))
         deadline = time.monotonic() + 5
         while served.conductor.flights["r1"].num_decoded != 3:
             assert time.monotonic() < deadline, "decode's progress never reached the load view"

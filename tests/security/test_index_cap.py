@@ -19,9 +19,9 @@ def test_an_instance_indexes_at_most_its_kv_blocks(tiny_dir):
         assert sock.poll(10_000) and m.decode(sock.recv()).accepted
         index = served.conductor.index
         for seq, blocks in enumerate((range(6), range(100, 1_000_000)), start=1):
-            sock.send(m.encode(m.Heartbeat(instance_id="prefill-greedy", seq=seq, cached_blocks=list(blocks))))
-        sock.send(m.encode(m.Heartbeat(instance_id="prefill-greedy", seq=3, evicted_blocks=[0, 1])))
-        sock.send(m.encode(m.Heartbeat(instance_id="prefill-greedy", seq=4, cached_blocks=[7, 8, 9])))
+            sock.send(m.encode(m.Heartbeat(instance_id="prefill-greedy", seq=seq, cache=m.CacheChanges(added=list(blocks)))))
+        sock.send(m.encode(m.Heartbeat(instance_id="prefill-greedy", seq=3, cache=m.CacheChanges(evicted=[0, 1]))))
+        sock.send(m.encode(m.Heartbeat(instance_id="prefill-greedy", seq=4, cache=m.CacheChanges(added=[7, 8, 9]))))
         deadline = served.loop.time() + 10
         while served.loop.time() < deadline and not index.holders(8):  # the last report is in
             sock.poll(50)
@@ -29,8 +29,8 @@ def test_an_instance_indexes_at_most_its_kv_blocks(tiny_dir):
         indexed = {h for h in (0, 1, 2, 3, 4, 5, 7, 8, 9, 100, 101, 102) if index.holders(h)}
         assert indexed == {2, 3, 4, 5, 100, 101, 7, 8}  # room freed by evictions is used again, never more
         # a full cache's steady state: a report evicts as many as it adds, and the new ones are indexed
-        sock.send(m.encode(m.Heartbeat(instance_id="prefill-greedy", seq=5, cached_blocks=[200, 201],
-                                       evicted_blocks=[2, 3])))
+        sock.send(m.encode(m.Heartbeat(instance_id="prefill-greedy", seq=5,
+                                       cache=m.CacheChanges(added=[200, 201], evicted=[2, 3]))))
         while served.loop.time() < deadline + 10 and not index.holders(201):
             sock.poll(50)
         assert index.holders(200) and index.holders(201) and not index.holders(2)

@@ -84,8 +84,8 @@ def test_a_key_speaks_only_for_instances_of_its_own_role(tiny_dir, cluster_keys)
         return sock
 
     def snapshot(sock, seq: int):
-        sock.send(m.encode(m.Heartbeat(instance_id="prefill-a", num_kv_blocks=64, cached_blocks=[11, 12, 13],
-                                       is_snapshot=True, seq=seq)))
+        sock.send(m.encode(m.Heartbeat(instance_id="prefill-a", num_kv_blocks=64, seq=seq,
+                                       cache=m.CacheChanges(added=[11, 12, 13], is_snapshot=True))))
         return m.decode(sock.recv()) if sock.poll(3000) else None
 
     try:
