@@ -4,6 +4,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mooncake.hashing import (CHECKSUM_CHUNK_BYTES, PARALLEL_MIN_BYTES, checksum, hash_block, hash_blocks,
                               layer_key, make_namespace)
@@ -82,3 +84,17 @@ def test_each_layer_of_a_block_has_its_own_key_the_same_on_every_node():
     keys = [layer_key(h, layer) for h in hashes for layer in range(80)]
     assert len(set(keys) | set(hashes)) == len(keys) + len(hashes)  # no two alike, none a block's own
     assert layer_key(hashes[0], 3) == layer_key(hashes[0], 3) and all(0 <= k < 1 << 64 for k in keys)
+
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=70), block_size=st.integers(1, 16),
+       root=st.integers(0, 2**64 - 1))
+def test_the_batched_chain_is_hash_block_applied_block_by_block(tokens, block_size, root):
+    """hash_blocks (one buffer, one call per block) is the definition hash_block spells out, for any
+    tokens the vocabulary allows, any root (a salted chain's) and a trailing partial block."""
+    parent, expected = root, []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash_block(parent, tokens[start:start + block_size], NS)
+        expected.append(parent)
+    assert hash_blocks(tokens, block_size, NS, root) == expected
