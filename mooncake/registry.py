@@ -44,9 +44,6 @@ BACKENDS: dict[str, dict[str, str]] = {
     },
 }
 
-# Which pip extra brings the dependency a backend needs, for the error message.
-EXTRAS: dict[tuple[str, str], str] = {}
-
 
 def known(kind: str) -> list[str]:
     """Every name registered under `kind`: ours, then third parties' entry points."""
@@ -64,10 +61,8 @@ def load_backend(kind: str, name: str):
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        extra = EXTRAS.get((kind, name))
-        hint = f": install it with pip install 'mooncake[{extra}]'" if extra else ""
-        raise BackendError(f"{kind} backend '{name}' cannot load ({exc}){hint}") from None
+    except ImportError as exc:  # NOTE: a backend with an optional dependency says how to install it itself
+        raise BackendError(f"{kind} backend '{name}' cannot load ({exc})") from None
     return getattr(module, attr)
 
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from mooncake.config import EngineConfig, load_config  # noqa: E402
 from mooncake.engine import LLMEngine, SamplingParams  # noqa: E402
 from mooncake.engine.stage import PipelineStage, stage_layers  # noqa: E402
-from mooncake.prefill.stage_link import run_group  # noqa: E402
+from tests.cpp_harness import run_group  # noqa: E402
 from mooncake.transfer.modelled import ModelledNetwork  # noqa: E402
 from mooncake.registry import load_backend  # noqa: E402
 from mooncake.sim.run import simulate  # noqa: E402

@@ -17,7 +17,7 @@ if sys.argv[1] == "tuned":
 cache = PagedKVCache(KVSpec(30, 3, 64), 8, 64, torch.float32, torch.device("cpu"))  # SmolLM2's blocks
 def churn():  # what prefill does per block: export it and make its wire bytes, then let both go
     for i in range(40):
-        cache.export_block(i % 8, i, b"ns").to_bytes()
+        cache.export_blocks([(i % 8, i)], b"ns")[0].to_bytes()
 churn()  # warm-up: the heap grows once
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 churn()

@@ -73,8 +73,3 @@ class PrefixIndex:
             lengths[holder] = i + 1
         return lengths
 
-    def longest_prefix(self, hashes: Iterable[int]) -> tuple[int, str | None]:
-        """(blocks, holder) of the longest leading run held by one holder; ties go to the smallest id."""
-        lengths = self.prefix_lengths(hashes)
-        best = max(lengths.values(), default=0)
-        return best, min((h for h, n in lengths.items() if n == best), default=None)

@@ -80,9 +80,6 @@ class PagedKVCache:
         event.record(torch.cuda.current_stream(self.kv.device))
         return event
 
-    def export_block(self, block: int, block_hash: int, namespace: bytes, layer: int | None = None) -> KVPayload:
-        return self.export_blocks([(block, block_hash)], namespace, layer)[0]
-
     def export_blocks(self, blocks: list[tuple[int, int]], namespace: bytes, layer: int | None = None,
                       after=None, view: StageView | None = None) -> list[KVPayload]:
         """Payloads of (block, hash) pairs, all layers or `layer` only, copied to host memory (never an

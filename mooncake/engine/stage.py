@@ -18,8 +18,6 @@ its own (`run`), on the engine's thread between its steps: it is never batched w
 whose layers differ. A prompt's cached prefix (whole blocks from the cache pool) is given to `begin`:
 each stage copies its layers of it in, and the chunks start after it."""
 
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
@@ -31,7 +29,6 @@ from mooncake.engine.sampler import logprobs_of, sample
 from mooncake.engine.sequence import Sequence
 from mooncake.errors import InvalidRequestError, KVPayloadError
 from mooncake.hashing import hash_blocks
-from mooncake.hidden_payload import decode_hidden, encode_hidden
 from mooncake.kv_payload import KVPayload
 from mooncake.sampling import SamplingParams, TokenLogprob
 
@@ -198,45 +195,3 @@ class PipelineStage:
         job = self.jobs.pop(request_id, None)
         if job is not None:
             self.engine.pool.release(job.held)
-
-
-
-def run_local_pipeline(stages: list[PipelineStage], request_id: str, prompt_token_ids: list[int],
-                       chunk_tokens: int, timeout_s: float = 600.0, prefix: list[KVPayload] = ()) -> torch.Tensor:
-    """A whole group in one process (tests, benchmarks): each stage on a thread of its own, the chunks'
-    hidden states crossing each boundary as bytes (`encode_hidden`); the logits of the prompt's last
-    token ([1, vocab]). `prefix`: the prompt's cached leading blocks, whole, for every stage's `begin`. The
-    stages keep the prompt's blocks (for `export`) until their `end`."""
-    for stage in stages:
-        stage.begin(request_id, prompt_token_ids, prefix)
-    n, start = len(prompt_token_ids), stages[0].jobs[request_id].done
-    sizes = [min(chunk_tokens, n - i) for i in range(start, n, chunk_tokens)]
-    inboxes = [queue.Queue() for _ in range(len(stages) + 1)]
-    for size in sizes:
-        inboxes[0].put((size, None))
-
-    def work(k: int) -> None:
-        last = k == len(stages) - 1
-        try:
-            for _ in sizes:
-                size, data = inboxes[k].get(timeout=timeout_s)
-                if isinstance(data, BaseException):  # a stage before failed: pass it on to the caller
-                    raise data
-                hidden = None if data is None else decode_hidden(data)  # `run` moves it to the device
-                out = stages[k].run(request_id, size, hidden)
-                inboxes[k + 1].put((size, out if last else encode_hidden(out)))
-        except BaseException as exc:  # noqa: BLE001 - handed on, and raised by the caller
-            inboxes[k + 1].put((0, exc))
-
-    threads = [threading.Thread(target=work, args=(k,), name=f"cpp-stage-{k}", daemon=True) for k in range(len(stages))]
-    for thread in threads:
-        thread.start()
-    logits = None
-    for _ in sizes:
-        _, out = inboxes[-1].get(timeout=timeout_s)
-        if isinstance(out, BaseException):
-            raise out
-        logits = out
-    for thread in threads:
-        thread.join(timeout_s)
-    return logits

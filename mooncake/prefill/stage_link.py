@@ -173,34 +173,3 @@ def time_left(deadline: float, what: str) -> float:
     if left <= 0:
         raise TransferError(f"{what}: past the deadline")
     return left
-
-
-async def run_group(stages: list[Stage], transports: list[Transport], request_id: str,
-                    prompt_token_ids: list[int], chunk_tokens: int, timeout_s: float = 600.0) -> torch.Tensor:
-    """A whole group in one process (tests, benchmarks), each stage on a transport of its own (not yet
-    started) serving its inbox, each chunk computed on a thread: the logits of the prompt's last token.
-    The stages keep the prompt's blocks (for `export`) until their `end`; the transports are stopped."""
-    inboxes = [StageInbox() for _ in stages]
-    n = len(prompt_token_ids)
-    sizes = [min(chunk_tokens, n - i) for i in range(0, n, chunk_tokens)]
-    deadline = time.monotonic() + timeout_s
-    try:
-        addresses = [await t.start(inbox) for t, inbox in zip(transports, inboxes)]
-        for stage in stages:
-            stage.begin(request_id, prompt_token_ids)
-        runs = [asyncio.ensure_future(run_stage(stage, k, request_id, sizes, _on_thread, inboxes[k], transports[k],
-                                                addresses[k + 1] if k + 1 < len(stages) else None, deadline))
-                for k, stage in enumerate(stages)]
-        try:
-            return (await asyncio.gather(*runs))[-1]
-        finally:  # one stage failed: the others stop waiting for it
-            for run in runs:
-                run.cancel()
-            await asyncio.gather(*runs, return_exceptions=True)
-    finally:
-        for transport in transports:
-            await transport.stop()
-
-
-async def _on_thread(fn, *args):
-    return await asyncio.to_thread(fn, *args)

@@ -98,17 +98,6 @@ class KVStore:
         raise CapacityError(f"store full: cannot place a {size}-byte block; every tier's blocks are leased "
                             f"or the block is larger than a tier")
 
-    def put_batch(self, items: list[tuple[int, bytes]]) -> list[CapacityError | None]:
-        """Per-item results: None for success, the CapacityError for a block that did not fit."""
-        results = []
-        for position, (key, data) in enumerate(items):
-            try:
-                self.put(key, data, position)
-                results.append(None)
-            except CapacityError as exc:
-                results.append(exc)
-        return results
-
     # -- writes in place (a shared DRAM tier lends ranges to same-host writers: windows.py) ---------
 
     def reserve(self, size: int) -> int | None:
@@ -193,9 +182,6 @@ class KVStore:
         heapq.heappush(self._lease_expiry, (expiry, lease_id))
         self._leased[key] += 1
         return Lease(key=key, data=data, tier=tier.name, lease_id=lease_id)
-
-    def get_batch(self, keys: list[int]) -> list[Lease | None]:
-        return [self.get(key) for key in keys]
 
     def release(self, lease_id: int) -> None:
         entry = self._leases.pop(lease_id, None)

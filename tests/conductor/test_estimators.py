@@ -49,10 +49,10 @@ def test_prefix_index():
     index.add("b", [1, 2])
     index.add("c", [2, 3])  # has a later block but not the first: no prefix
     assert index.prefix_lengths([1, 2, 3, 4]) == {"a": 3, "b": 2}
-    assert index.longest_prefix([1, 2, 3]) == (3, "a") and index.longest_prefix([9]) == (0, None)
+    assert index.prefix_lengths([9]) == {}
     assert index.prefix_len([1, 2, 3], "b") == 2 and index.prefix_len([1], "c") == 0
     index.drop_holder("a")
-    assert index.longest_prefix([1, 2, 3]) == (2, "b") and len(index) == 3
+    assert index.prefix_lengths([1, 2, 3]) == {"b": 2} and len(index) == 3
 
 
 def test_the_fit_follows_the_last_window_only():

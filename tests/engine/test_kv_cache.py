@@ -14,12 +14,12 @@ def test_an_exported_block_is_a_copy_that_round_trips_and_outlives_changes_to_th
                          dtype=dtype, device=torch.device("cpu"))
     cache.kv.copy_(torch.randn(cache.kv.shape).to(dtype))
     block = num_blocks - 1
-    payload = cache.export_block(block, block_hash=7, namespace=b"ns")
+    payload = cache.export_blocks([(block, 7)], b"ns")[0]
     before = cache.kv[:, :, block * 4:(block + 1) * 4].clone()
     cache.kv.zero_()  # the block is reused: an exported payload must not change with it
     cache.import_block(block, KVPayload.from_bytes(payload.to_bytes()), namespace=b"ns")
     assert torch.equal(cache.kv[:, :, block * 4:(block + 1) * 4], before)
-    one_layer = cache.export_block(block, block_hash=7, namespace=b"ns", layer=1)
+    one_layer = cache.export_blocks([(block, 7)], b"ns", layer=1)[0]
     assert one_layer.shape == cache.block_shape(1) and one_layer.layer == 1
 
 
@@ -31,7 +31,7 @@ def test_exporting_many_blocks_at_once_gives_each_block_its_own_bytes_as_a_copy(
                          dtype=torch.float32, device=torch.device("cpu"))
     cache.kv.copy_(torch.randn(cache.kv.shape))
     blocks = [(6, 60), (1, 10), (3, 30)]
-    expected = [cache.export_block(block, block_hash, b"ns", layer) for block, block_hash in blocks]
+    expected = [cache.export_blocks([pair], b"ns", layer)[0] for pair in blocks]  # one by one
     for block, _ in blocks:  # what the cache holds, read straight from the tensor
         whole = cache.kv[:, :, block * 4:(block + 1) * 4]
         want = (whole if layer is None else whole[layer]).contiguous().numpy().tobytes()

@@ -10,10 +10,11 @@ import torch
 
 from mooncake.config import EngineConfig
 from mooncake.engine import LLMEngine, SamplingParams
-from mooncake.engine.stage import PipelineStage, run_local_pipeline, stage_layers
-from mooncake.hidden_payload import decode_hidden, encode_hidden
+from mooncake.engine.stage import PipelineStage, stage_layers
 from mooncake.errors import InvalidRequestError, KVPayloadError, ModelError
+from mooncake.hidden_payload import decode_hidden, encode_hidden
 from tests.conftest import REAL, TINY
+from tests.cpp_harness import run_local_pipeline
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 

@@ -13,11 +13,12 @@ from mooncake.config import EngineConfig
 from mooncake.engine import LLMEngine, SamplingParams
 from mooncake.engine.stage import PipelineStage, stage_layers
 from mooncake.hidden_payload import encode_hidden
-from mooncake.transfer.modelled import ModelledNetwork
-from mooncake.prefill.stage_link import StageInbox, chunk_key, run_group, run_stage
+from mooncake.prefill.stage_link import StageInbox, chunk_key, run_stage
 from mooncake.registry import load_backend
 from mooncake.transfer.contract import TransferError
+from mooncake.transfer.modelled import ModelledNetwork
 from tests.conftest import REAL, TINY
+from tests.cpp_harness import run_group
 
 
 @pytest.fixture(scope="module", params=[TINY, pytest.param(REAL, marks=pytest.mark.real_model)])

@@ -104,10 +104,13 @@ def test_blocks_on_ssd_survive_a_store_restart(tmp_path):
     assert again.exists(1) == "ssd" and bytes(again.get(1).data) == b"x" * 100
 
 
-def test_put_batch_reports_per_block():
+def test_a_block_larger_than_every_tier_is_refused_alone():
     store, _ = make()
-    results = store.put_batch([(1, bytes(100)), (2, bytes(1000)), (3, bytes(100))])
-    assert results[0] is None and isinstance(results[1], CapacityError) and results[2] is None
+    store.put(1, bytes(100))
+    with pytest.raises(CapacityError, match="larger than a tier"):
+        store.put(2, bytes(1000))
+    store.put(3, bytes(100))
+    assert [store.exists(k) for k in (1, 2, 3)] == ["dram", None, "dram"]
 
 
 @pytest.mark.parametrize("kwargs, key", [({"dram_bytes": 0}, "store.dram_bytes"),
