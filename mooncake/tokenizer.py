@@ -1,7 +1,7 @@
-"""The conductor's tokenizer: the model's `tokenizer.json` through the `tokenizers` library and its chat
+"""The API process's tokenizer: the model's `tokenizer.json` through the `tokenizers` library and its chat
 template through jinja2, as transformers does both, without `transformers.AutoTokenizer`, which imports
-torch: the conductor and its API stay a small process (no model runs there). Prefill and decode keep
-transformers' tokenizer. tests/test_tokenizer.py holds the two to the same ids, text and prompts."""
+torch: an API process stays small (no model runs there). Prefill and decode keep transformers'
+tokenizer. tests/test_tokenizer.py holds the two to the same ids, text and prompts."""
 
 import json
 import re

@@ -46,7 +46,8 @@ class ApiServer:
         self.reuse_port = reuse_port  # several API processes listen on the one port (the kernel spreads them)
         # NOTE: parsing, templating and tokenizing a prompt takes up to a second for a big one: off the event
         # loop, so running streams keep their pace; bounded by api.max_connections (one request each).
-        self.pool = concurrent.futures.ThreadPoolExecutor(self.cfg.tokenizer_threads, thread_name_prefix="tokenize")
+        self.tokenizers = concurrent.futures.ThreadPoolExecutor(self.cfg.tokenizer_threads,
+                                                                thread_name_prefix="tokenize")
         self.name = "REST API"
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -97,7 +98,7 @@ class ApiServer:
             await self.door.drained(STOP_S)
             await self.runner.cleanup()
             self.runner = None
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.tokenizers.shutdown(wait=False, cancel_futures=True)
 
     # -- middleware ---------------------------------------------------------------------------------
 
@@ -128,7 +129,7 @@ class ApiServer:
             raise bad(f"the request body is not valid JSON: {exc}") from None
 
     async def _off_loop(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizers, fn, *args)
 
     # -- routes ---------------------------------------------------------------------------------------
 

@@ -94,11 +94,12 @@ class LLMEngine:
         elif self.runner.modelled and self.runner.modelled.kv_capacity_tokens:
             num_blocks = max(1, self.runner.modelled.kv_capacity_tokens // self.block_size)
         else:
-            num_blocks = max(1, config.kv_cache_bytes // self.runner.kv_spec.block_bytes(self.block_size, config.kv_dtype))
+            block_bytes = self.runner.kv_spec.block_bytes(self.block_size, config.kv_dtype)
+            num_blocks = max(1, config.kv_cache_bytes // block_bytes)
         self.kv_cache = PagedKVCache(self.runner.kv_spec, num_blocks, self.block_size, self.dtype, self.device)
-        self.pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks)
         # NOTE: "auto" is resolved by the instance's role (instance/worker.py); a bare engine batches.
-        self.scheduler = Scheduler(config, self.pool, serial_prefill=config.prefill_batching == "serial")
+        self.scheduler = Scheduler(config, self.block_pool, serial_prefill=config.prefill_batching == "serial")
         self.seqs: dict[str, Sequence] = {}
         self.failed: list[tuple[str, str]] = []  # (request id, why): requests a step failed alone (drain_failed)
         self._importing: set[str] = set()  # request ids between begin_import and finish/cancel_import
@@ -106,7 +107,7 @@ class LLMEngine:
         # keep_kv requests pins them and calls layer_sink(i, filled, ready_at) once layer i's KV is written,
         # on the engine thread (it must only hand the work on), then layer_sink(None, filled, None) when the
         # step is over, whether it ran or failed: from then on the sink owes the pins' release
-        # (`pool.release`). With an emulated runner every layer is handed over as soon as the forward has
+        # (`block_pool.release`). With an emulated runner every layer is handed over as soon as the forward has
         # written them all, each with `ready_at`, the time.perf_counter() its layer ends in the modelled
         # step (nothing of it may leave before); else ready_at is None (ready now).
         self.layer_sink: Callable[[int | None, list[FilledBlocks], float | None], None] | None = None
@@ -152,7 +153,7 @@ class LLMEngine:
         thread, steps may run meanwhile); then `finish_import` (between steps) queues the request, or
         `cancel_import` frees what was reserved."""
         seq = self._new_sequence(prompt_token_ids, params, request_id, keep_kv)
-        pending = reserve(self.pool, seq, kv_payloads, self.runner.kv_spec.num_layers, self.block_size)
+        pending = reserve(self.block_pool, seq, kv_payloads, self.runner.kv_spec.num_layers, self.block_size)
         self._importing.add(seq.seq_id)
         return pending
 
@@ -180,10 +181,10 @@ class LLMEngine:
         seq = pending.seq
         self._importing.discard(seq.seq_id)
         kept, dropped = pending.entries[:pending.num_good], pending.entries[pending.num_good:]
-        self.pool.release([block for block, _ in dropped])
+        self.block_pool.release([block for block, _ in dropped])
         for i, (block, parts) in enumerate(kept):
             if parts:
-                self.pool.register(block, seq.block_hashes[i])
+                self.block_pool.register(block, seq.block_hashes[i])
         seq.block_table = [block for block, _ in kept]
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
         seq.num_registered_blocks = len(seq.block_table)
@@ -194,7 +195,7 @@ class LLMEngine:
     def cancel_import(self, pending: PendingImport) -> None:
         """Free an import's blocks (after its write, if one ran: a write in progress still uses them)."""
         self._importing.discard(pending.request_id)
-        self.pool.release([block for block, _ in pending.entries])
+        self.block_pool.release([block for block, _ in pending.entries])
         pending.entries = []
 
     def abort(self, request_id: str) -> None:
@@ -282,7 +283,7 @@ class LLMEngine:
             if last > first:
                 filled.append(FilledBlocks(seq.seq_id, first, [(seq.block_table[i], seq.block_hashes[i])
                                                                for i in range(first, last)]))
-        self.pool.acquire([block for f in filled for block, _ in f.blocks])
+        self.block_pool.acquire([block for f in filled for block, _ in f.blocks])
         return filled
 
     def _hand_over_modelled_layers(self, filled: list[FilledBlocks], started: float, modelled_s: float) -> None:
@@ -334,14 +335,14 @@ class LLMEngine:
 
     def pin_blocks(self, request_id: str, first_block: int, num_blocks: int) -> list[tuple[int, int]]:
         """(block, hash) of the request's computed full blocks [first_block, first_block + num_blocks),
-        each held once more (until `pool.release`), so `export_blocks` may copy them on another thread
+        each held once more (until `block_pool.release`), so `export_blocks` may copy them on another thread
         while steps run: a computed full block is never written again, and a held one never reused."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise InvalidRequestError(f"unknown request id {request_id!r}")
         last = min(first_block + num_blocks, self.num_full_blocks(request_id))
         blocks = [(seq.block_table[i], seq.block_hashes[i]) for i in range(first_block, last)]
-        self.pool.acquire([block for block, _ in blocks])
+        self.block_pool.acquire([block for block, _ in blocks])
         return blocks
 
     def export_blocks(self, blocks: list[tuple[int, int]], layer: int | None = None, after=None,
@@ -376,9 +377,9 @@ class LLMEngine:
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be token ids below {vocab}", "stop_token_ids")
         blocks_needed = -(-(n + params.max_tokens) // self.block_size)
-        if blocks_needed > self.pool.num_blocks:
+        if blocks_needed > self.block_pool.num_blocks:
             raise InvalidRequestError(f"the request needs {blocks_needed} KV blocks; the cache has "
-                                      f"{self.pool.num_blocks} (raise engine.kv_cache_bytes)")
+                                      f"{self.block_pool.num_blocks} (raise engine.kv_cache_bytes)")
 
     def _postprocess(self, seqs: list[Sequence], tokens: list[int],
                      logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:

@@ -149,7 +149,7 @@ class PagedKVCache:
         return [memoryview(row) for row in host.view(torch.uint8).numpy().reshape(len(blocks), -1)]
 
     def import_stage_block(self, view: StageView, block: int, payload: KVPayload, namespace: bytes) -> None:
-        """Verify a whole-block `payload` (a cached prefix block, from the pool) and write the stage's
+        """Verify a whole-block `payload` (a cached prefix block, from the cache pool) and write the stage's
         layers of it into `view`'s block `block`."""
         payload.verify(namespace=namespace, dtype=self.dtype_name, shape=self.block_shape())
         layers = view.layers

@@ -42,7 +42,7 @@ class PendingImport:
         return self.num_good
 
 
-def reserve(pool: BlockPool, seq: Sequence, payloads: list[KVPayload], num_layers: int,
+def reserve(block_pool: BlockPool, seq: Sequence, payloads: list[KVPayload], num_layers: int,
             block_size: int) -> PendingImport:
     """A block per leading prompt block the payloads (or this engine's cache) cover, up to the last
     full block before the prompt's last token: held ones acquired, the others allocated for writing.
@@ -53,16 +53,16 @@ def reserve(pool: BlockPool, seq: Sequence, payloads: list[KVPayload], num_layer
     max_blocks = (seq.num_tokens - 1) // block_size
     pending = PendingImport(seq)
     for block_hash in seq.block_hashes[:max_blocks]:
-        block = pool.match_prefix([block_hash])  # already cached here: reuse it, payload or not
+        block = block_pool.match_prefix([block_hash])  # already cached here: reuse it, payload or not
         if block:
-            pool.acquire(block)
+            block_pool.acquire(block)
             pending.entries.append((block[0], []))
             continue
         parts = by_hash.get(block_hash, {})
         chosen = [parts[None]] if None in parts else [parts.get(layer) for layer in range(num_layers)]
         if any(p is None for p in chosen):
             break  # the chain stops at the first missing block
-        block = pool.allocate(1)
+        block = block_pool.allocate(1)
         if block is None:
             break
         pending.entries.append((block[0], chosen))

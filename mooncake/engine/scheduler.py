@@ -16,14 +16,14 @@ from mooncake.engine.sequence import Sequence, SeqStatus
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool, serial_prefill: bool = False):
+    def __init__(self, config: EngineConfig, block_pool: BlockPool, serial_prefill: bool = False):
         self.block_size = config.block_size
         self.prefill_chunk = config.prefill_chunk
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.enable_prefix_cache = config.enable_prefix_cache
         self.serial_prefill = serial_prefill
-        self.pool = pool
+        self.block_pool = block_pool
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -80,7 +80,7 @@ class Scheduler:
             num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
             while seq.num_registered_blocks < num_full:
                 k = seq.num_registered_blocks
-                self.pool.register(seq.block_table[k], seq.block_hashes[k])
+                self.block_pool.register(seq.block_table[k], seq.block_hashes[k])
                 seq.num_registered_blocks += 1
 
     def finish(self, seq: Sequence, reason: str, free: bool = True) -> None:
@@ -101,8 +101,8 @@ class Scheduler:
     def _reuse_prefix(self, seq: Sequence) -> None:
         # At least one token must be computed to get logits, so the last token's block is never reused.
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        blocks = self.pool.match_prefix(seq.block_hashes[:max_blocks])
-        self.pool.acquire(blocks)
+        blocks = self.block_pool.match_prefix(seq.block_hashes[:max_blocks])
+        self.block_pool.acquire(blocks)
         seq.block_table = blocks
         seq.num_computed_tokens = len(blocks) * self.block_size
         seq.num_registered_blocks = len(blocks)
@@ -112,7 +112,7 @@ class Scheduler:
         needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
         if needed <= 0:
             return True
-        blocks = self.pool.allocate(needed)
+        blocks = self.block_pool.allocate(needed)
         if blocks is None:
             return False
         seq.block_table.extend(blocks)
@@ -125,7 +125,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _free(self, seq: Sequence) -> None:
-        self.pool.release(seq.block_table)
+        self.block_pool.release(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0

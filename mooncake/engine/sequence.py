@@ -33,7 +33,7 @@ class Sequence:
     num_forwarded_tokens: int = 0  # tokens this engine ran through the model for it (recomputes count)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, in order
-    num_registered_blocks: int = 0  # leading blocks already entered in the pool's hash map
+    num_registered_blocks: int = 0  # leading blocks already entered in the block pool's hash map
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     matched_stop: str | None = None
     arrival_s: float = field(default_factory=time.perf_counter)

@@ -86,7 +86,7 @@ class PipelineStage:
             raise InvalidRequestError(f"a {n}-token prompt reuses at most {reusable_blocks(n, engine.block_size)} "
                                       f"blocks, not {len(prefix)}: its last token is computed")
         num_blocks = -(-n // engine.block_size)
-        held = engine.pool.allocate(-(-num_blocks // self.view.per_block))
+        held = engine.block_pool.allocate(-(-num_blocks // self.view.per_block))
         if held is None:
             raise InvalidRequestError(f"no room in this stage's KV cache for a {n}-token prompt")
         job = _Job(list(prompt_token_ids), held, self.view.blocks_in(held, num_blocks), hashes)
@@ -96,10 +96,10 @@ class PipelineStage:
                     raise KVPayloadError(f"block {payload.block_hash:#x} is not the prompt's block {block_hash:#x}")
                 engine.kv_cache.import_stage_block(self.view, block, payload, engine.namespace)
             except KVPayloadError as exc:
-                engine.pool.release(held)
+                engine.block_pool.release(held)
                 raise KVPayloadError(str(exc), payload.block_hash) from None
             except BaseException:  # the device's (out of memory): the blocks go back all the same
-                engine.pool.release(held)
+                engine.block_pool.release(held)
                 raise
         job.done = len(prefix) * engine.block_size
         self.jobs[request_id] = job
@@ -194,4 +194,4 @@ class PipelineStage:
         """Free the prompt's blocks; unknown ids are ignored."""
         job = self.jobs.pop(request_id, None)
         if job is not None:
-            self.engine.pool.release(job.held)
+            self.engine.block_pool.release(job.held)

@@ -73,13 +73,13 @@ class EngineLoop:
         runner, modelled = engine.runner, engine.runner.modelled
         self.facts = EngineFacts(
             model_id=engine.model.model_id, block_size=engine.block_size, num_layers=runner.kv_spec.num_layers,
-            num_kv_blocks=engine.pool.num_blocks, serial_prefill=engine.scheduler.serial_prefill,
+            num_kv_blocks=engine.block_pool.num_blocks, serial_prefill=engine.scheduler.serial_prefill,
             time_coefficients=modelled.time_coefficients() if modelled else None,
             transfer_s_per_block=modelled.transfer_seconds(engine.block_size) if modelled else 0.0,
             activation_s_per_token=modelled.activation_seconds(1) if modelled else 0.0)
-        self.stats = EngineStats(num_kv_blocks_used=engine.pool.num_used)
+        self.stats = EngineStats(num_kv_blocks_used=engine.block_pool.num_used)
         self._stepping = False  # a step (or a long call) runs on the engine thread
-        self._cached: set[int] = set(engine.pool.hash_to_block)  # the prefix cache's keys, as of the last gap
+        self._cached: set[int] = set(engine.block_pool.hash_to_block)  # the prefix cache's keys, as of the last gap
         self._cache_log: deque[tuple[str, int]] = deque()  # its changes since the last take_cache_changes
         self._cache_log_lost = False  # more changes than the engine's event log keeps: a snapshot is due
         self._stages: dict[tuple[int, int], PipelineStage] = {}
@@ -170,7 +170,7 @@ class EngineLoop:
             self._kv_executor, lambda: encode(engine.export_blocks(blocks, after=written)))
 
         def unpin(f: asyncio.Future) -> None:
-            self._queue(engine.pool.release, [block for block, _ in blocks])
+            self._queue(engine.block_pool.release, [block for block, _ in blocks])
             if not f.cancelled() and f.exception() is not None:  # its reader, if any, raises it too
                 log.debug("exporting the KV of %s failed: %r", request_id, f.exception())
         future.add_done_callback(unpin)
@@ -192,7 +192,7 @@ class EngineLoop:
             if layer is None:  # the step is over: release the pins after its copies (one KV thread, in order)
                 blocks = [block for f in filled for block, _ in f.blocks]
                 self._kv_executor.submit(lambda: None).add_done_callback(
-                    lambda _: loop.call_soon_threadsafe(self._queue, engine.pool.release, blocks))
+                    lambda _: loop.call_soon_threadsafe(self._queue, engine.block_pool.release, blocks))
                 return
             written = engine.kv_cache.mark_written()  # on a GPU the layer is only queued: copy after it
             exported = self._kv_executor.submit(
@@ -362,13 +362,13 @@ class EngineLoop:
     def _between_steps(self) -> None:
         """Copy what the roles read of the engine, while no step runs."""
         engine = self.engine
-        scheduler, pool = engine.scheduler, engine.pool
-        self.stats = EngineStats(len(scheduler.waiting), len(scheduler.running), pool.num_used,
+        scheduler, blocks = engine.scheduler, engine.block_pool
+        self.stats = EngineStats(len(scheduler.waiting), len(scheduler.running), blocks.num_used,
                                  {rid: len(seq.output_token_ids) for rid, seq in engine.seqs.items()})
-        events = pool.events
+        events = blocks.events
         if len(events) == events.maxlen:  # NOTE: some were dropped: start again from the whole cache
             events.clear()
-            self._cached = set(pool.hash_to_block)
+            self._cached = set(blocks.hash_to_block)
             self._cache_log.clear()
             self._cache_log_lost = True
             return

@@ -142,7 +142,7 @@ class DisaggregatedCluster(SimulatedCluster):
             self._start_prefill(prefill)
 
     def loads(self) -> tuple[float, float]:
-        """The worst instance of each pool: prefill = queued work / TTFT SLO, decode = step time / TBT SLO."""
+        """The worst instance of each role: prefill = queued work / TTFT SLO, decode = step time / TBT SLO."""
         now = self.loop.now
         prefill = max(max(0.0, p.busy_until - now) + p.queued_s for p in self.prefills.values())
         decode = max(self.cost.step_s((), len(d.running), sum(a.context for a in d.running))

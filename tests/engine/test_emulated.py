@@ -81,7 +81,7 @@ def test_its_cost_model_and_kv_capacity_are_the_simulators(cfg):
         step_model=sim.step_model)
     assert spec["config"]["kv_capacity_tokens"] == sim.decode_kv_tokens
     sized = LLMEngine(EngineConfig(model=cfg.model, block_size=64, kv_cache_bytes=1 << 20))  # bytes are ignored
-    assert sized.pool.num_blocks == sim.decode_kv_tokens // 64
+    assert sized.block_pool.num_blocks == sim.decode_kv_tokens // 64
 
 
 def test_streams_are_deterministic_per_prompt_whatever_the_batch(cfg):

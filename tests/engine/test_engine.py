@@ -80,13 +80,13 @@ def test_out_of_vocab_ids_and_duplicate_request_ids_are_rejected(engine):
 
 
 def test_abort_frees_every_block(engine):
-    free_before = engine.pool.num_free
+    free_before = engine.block_pool.num_free
     rid = engine.add_request(ids_of(engine, "x" * 40), GREEDY)
     engine.step()
     engine.step()
-    assert engine.pool.num_free < free_before
+    assert engine.block_pool.num_free < free_before
     engine.abort(rid)
-    assert engine.pool.num_free == free_before and not engine.has_unfinished()
+    assert engine.block_pool.num_free == free_before and not engine.has_unfinished()
 
 
 def test_preemption_under_a_tiny_cache_keeps_outputs_exact(tiny_dir, cfg):
@@ -104,7 +104,7 @@ def test_preemption_under_a_tiny_cache_keeps_outputs_exact(tiny_dir, cfg):
         assert [out.token_ids for out in outs] == [hf.greedy(ids, 24) for ids in prompts]
     else:  # no numeric reference: the same engine with room for everything
         assert [out.token_ids for out in outs] == [o.token_ids for o in LLMEngine(cfg).generate(prompts, GREEDY)]
-    assert small.pool.num_free == 12
+    assert small.block_pool.num_free == 12
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):

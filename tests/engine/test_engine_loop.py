@@ -86,7 +86,7 @@ def test_the_door_reads_the_engine_only_between_steps(cfg, monkeypatch):
     async def main():
         nonlocal loop
         loop = EngineLoop(engine, on_outputs, _nothing)
-        assert loop.facts.block_size == cfg.block_size and loop.facts.num_kv_blocks == engine.pool.num_blocks
+        assert loop.facts.block_size == cfg.block_size and loop.facts.num_kv_blocks == engine.block_pool.num_blocks
         loop.start()
         try:
             prompt = list(range(1, 30))  # three full blocks of 8 before the last token

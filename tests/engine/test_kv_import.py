@@ -42,7 +42,7 @@ def test_steps_run_while_an_import_is_written_and_the_result_is_add_requests(cfg
     payloads = exported(source, PROMPT)
     expected = source.generate([PROMPT, OTHER], GREEDY)
     engine = LLMEngine(cfg)
-    free_before = engine.pool.num_free
+    free_before = engine.block_pool.num_free
     other = engine.add_request(OTHER, GREEDY)
     engine.step()
     pending = engine.begin_import(PROMPT, GREEDY, "imported", payloads)
@@ -60,7 +60,7 @@ def test_steps_run_while_an_import_is_written_and_the_result_is_add_requests(cfg
     done = [engine.pop_completion(r) for r in ("imported", other)]
     assert [d.token_ids for d in done] == [e.token_ids for e in expected]
     assert done[0].num_cached_tokens == 5 * cfg.block_size
-    assert engine.pool.num_used == 0 and free_before == engine.pool.num_free
+    assert engine.block_pool.num_used == 0 and free_before == engine.block_pool.num_free
 
 
 def test_a_bad_block_keeps_the_good_prefix_and_a_cancel_frees_everything(cfg, source):
@@ -77,14 +77,14 @@ def test_a_bad_block_keeps_the_good_prefix_and_a_cancel_frees_everything(cfg, so
     assert done.num_cached_tokens == 3 * cfg.block_size
     assert done.token_ids == source.generate([PROMPT], GREEDY)[0].token_ids
 
-    free_before = engine.pool.num_free
+    free_before = engine.block_pool.num_free
     for write_first in (False, True):
         pending = engine.begin_import(PROMPT, GREEDY, "b", exported(source, PROMPT))
-        assert engine.pool.num_free < free_before
+        assert engine.block_pool.num_free < free_before
         if write_first:
             pending.write(engine.kv_cache, engine.namespace)
         engine.cancel_import(pending)
-        assert engine.pool.num_free == free_before and not engine.has_unfinished()
+        assert engine.block_pool.num_free == free_before and not engine.has_unfinished()
         engine.add_request([1, 2, 3], GREEDY, request_id="b")  # the id is free again
         engine.abort("b")
 
@@ -94,14 +94,14 @@ def test_a_device_failure_during_an_import_gives_back_its_blocks(cfg, source, mo
     and the blocks it reserved and the request id are free again."""
     payloads = exported(source, PROMPT)
     engine = LLMEngine(cfg)
-    free_before = engine.pool.num_free
+    free_before = engine.block_pool.num_free
 
     def out_of_memory(*_args):
         raise RuntimeError("CUDA out of memory (as a test raises it)")
     monkeypatch.setattr(engine.kv_cache, "import_block", out_of_memory)
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.add_request(PROMPT, GREEDY, request_id="a", kv_payloads=payloads)
-    assert engine.pool.num_free == free_before and not engine.has_unfinished()
+    assert engine.block_pool.num_free == free_before and not engine.has_unfinished()
     monkeypatch.undo()
     engine.add_request(PROMPT, GREEDY, request_id="a", kv_payloads=payloads)  # the id is free again
     run_all(engine)
@@ -117,13 +117,13 @@ def test_pinned_blocks_outlive_an_abort_until_released(cfg):
     assert [h for _, h in blocks] == [p.block_hash for p in before[1:]]
     engine.abort(rid)
     held = [b for b, _ in blocks]
-    assert all(engine.pool.ref_counts[b] == 1 for b in held)
-    assert engine.pool.num_free == engine.pool.num_blocks - len(held) and not set(held) & set(engine.pool.free)
-    everything_else = engine.pool.allocate(engine.pool.num_free)  # a pinned block is never handed out
-    assert not set(held) & set(everything_else) and engine.pool.allocate(1) is None
+    assert all(engine.block_pool.ref_counts[b] == 1 for b in held)
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks - len(held) and not set(held) & set(engine.block_pool.free)
+    everything_else = engine.block_pool.allocate(engine.block_pool.num_free)  # a pinned block is never handed out
+    assert not set(held) & set(everything_else) and engine.block_pool.allocate(1) is None
     assert [p.data.tobytes() for p in engine.export_blocks(blocks)] == [p.data.tobytes() for p in before[1:]]
-    engine.pool.release(everything_else + held)
-    assert engine.pool.num_used == 0
+    engine.block_pool.release(everything_else + held)
+    assert engine.block_pool.num_used == 0
 
 
 def slow_writes(monkeypatch) -> threading.Event:
@@ -171,19 +171,19 @@ def test_the_engine_loop_imports_on_its_kv_thread_while_streams_step(cfg, source
 
             # Cancelled during its write: its blocks come back once the write is done, not before.
             go.clear()
-            used = engine.pool.num_used
+            used = engine.block_pool.num_used
             admit = asyncio.create_task(loop.add_request_with_kv(PROMPT, GREEDY, "cancelled", payloads))
             await asyncio.sleep(0.1)
-            assert engine.pool.num_used > used
+            assert engine.block_pool.num_used > used
             admit.cancel()
             await asyncio.sleep(0.1)
-            assert engine.pool.num_used > used  # still being written: still held
+            assert engine.block_pool.num_used > used  # still being written: still held
             go.set()
             for _ in range(300):
-                if engine.pool.num_used <= used:
+                if engine.block_pool.num_used <= used:
                     break
                 await asyncio.sleep(0.01)
-            assert engine.pool.num_used <= used and "cancelled" not in engine.seqs
+            assert engine.block_pool.num_used <= used and "cancelled" not in engine.seqs
         finally:
             await loop.stop()
 

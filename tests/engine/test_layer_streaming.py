@@ -25,9 +25,9 @@ def test_every_filled_block_reaches_the_sink_layer_by_layer_as_each_layer_is_wri
         assert (ready_at is not None) == (layer is not None and engine.runner.modelled is not None)
         calls.append(None if layer is None else (layer, [(f.first_block, len(f.blocks)) for f in filled]))
         if layer is None:
-            engine.pool.release([block for f in filled for block, _ in f.blocks])
+            engine.block_pool.release([block for f in filled for block, _ in f.blocks])
             return
-        assert all(engine.pool.ref_counts[block] >= 2 for f in filled for block, _ in f.blocks)  # pinned
+        assert all(engine.block_pool.ref_counts[block] >= 2 for f in filled for block, _ in f.blocks)  # pinned
         for f in filled:
             for i, (block, _) in enumerate(f.blocks):
                 seen[(f.first_block + i, layer)] = layer_bytes(block, layer)
@@ -50,7 +50,7 @@ def test_every_filled_block_reaches_the_sink_layer_by_layer_as_each_layer_is_wri
             if early is not None:
                 assert early != whole[layer + 1].contiguous().numpy().tobytes()
     engine.pop_completion(rid)
-    assert not any(engine.pool.ref_counts)  # every pin released
+    assert not any(engine.block_pool.ref_counts)  # every pin released
 
 
 def test_decode_from_layer_slices_streamed_through_the_engine_loop_equals_generate(cfg):
@@ -79,7 +79,7 @@ def test_decode_from_layer_slices_streamed_through_the_engine_loop_equals_genera
             slices = [p for future in got for per_request in await future for p in per_request]
             await loop.call(prefill.pop_completion, rid)
             for _ in range(500):  # the last pins go between two steps, once their copies are done
-                if not any(await loop.call(lambda: list(prefill.pool.ref_counts))):
+                if not any(await loop.call(lambda: list(prefill.block_pool.ref_counts))):
                     break
                 await asyncio.sleep(0.01)
             else:

@@ -80,9 +80,9 @@ def test_c_exported_after_prefill_and_decoded_elsewhere(setup, layerwise):
         payloads = [p for layer in range(num_layers) for p in engine.export_kv(rid, layer=layer)]
     else:
         payloads = engine.export_kv(rid)
-    free_before = engine.pool.num_free
+    free_before = engine.block_pool.num_free
     engine.pop_completion(rid)
-    assert engine.pool.num_free > free_before
+    assert engine.block_pool.num_free > free_before
     assert len(payloads) >= 2
 
     decoder = LLMEngine(cfg)  # a second engine with an empty cache

@@ -89,7 +89,7 @@ def test_out_of_blocks_preempts_newest_and_recomputes_it():
     assert b.output_token_ids == [0]  # what it generated is kept and recomputed, not lost
     sched.finish(a, "stop")
     assert run_step(sched) == {"b": 8}  # prompt + its first token, recomputed
-    assert sched.pool.num_free == 2
+    assert sched.block_pool.num_free == 2
 
 
 def test_prefix_reuse_skips_cached_blocks_but_not_the_last_token():

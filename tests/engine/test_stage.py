@@ -86,7 +86,7 @@ def test_a_pipeline_gives_one_engines_tokens(cfg, single, stages):
     (alone,) = single.generate([ids], GREEDY)
     num_layers = single.runner.kv_spec.num_layers
     group = [PipelineStage(LLMEngine(cfg), layers) for layers in stage_layers(num_layers, stages)]
-    free = [s.engine.pool.num_free for s in group]
+    free = [s.engine.block_pool.num_free for s in group]
     logits = run_local_pipeline(group, "r1", ids, chunk_tokens=cfg.prefill_chunk)
     assert logits.shape == (1, single.runner.vocab_size)
     assert int(logits.argmax()) == alone.token_ids[0]  # the first token, from the last stage
@@ -99,9 +99,9 @@ def test_a_pipeline_gives_one_engines_tokens(cfg, single, stages):
                                                        for layer in first.layers]
     for stage, before in zip(group, free):
         hashes = stage.jobs["r1"].hashes
-        assert stage.engine.pool.match_prefix(hashes) == []  # a stage's partial blocks are never a cache hit
+        assert stage.engine.block_pool.match_prefix(hashes) == []  # a stage's partial blocks are never a cache hit
         stage.end("r1")
-        assert stage.engine.pool.num_free == before
+        assert stage.engine.block_pool.num_free == before
     out = decode_with(cfg, ids, payloads)
     assert out.num_cached_tokens == (len(ids) - 1) // cfg.block_size * cfg.block_size  # the stages' KV was used
     assert out.token_ids == alone.token_ids
@@ -121,11 +121,11 @@ def test_a_group_runs_a_prompt_too_long_for_one_engines_cache(cfg, single):
     logits = run_local_pipeline(group, "r1", ids, chunk_tokens=cfg.prefill_chunk)
     assert int(logits.argmax()) == alone.token_ids[0]
     for stage in group:
-        assert stage.engine.pool.num_free == 6 - -(-10 // stage.view.per_block)
+        assert stage.engine.block_pool.num_free == 6 - -(-10 // stage.view.per_block)
     payloads = [p for stage in group for p in stage.export("r1")]
     for stage in group:
         stage.end("r1")
-        assert stage.engine.pool.num_free == 6
+        assert stage.engine.block_pool.num_free == 6
     out = decode_with(cfg, ids, payloads)
     assert out.num_cached_tokens == 9 * cfg.block_size and out.token_ids == alone.token_ids
 
@@ -166,7 +166,7 @@ def test_a_stage_refuses_a_prefix_that_is_not_the_prompts(cfg, single):
         stage.begin("r1", ids, [corrupt])
     with pytest.raises(InvalidRequestError, match="at most 1 blocks"):
         stage.begin("r1", ids[:32], blocks)  # 32 tokens: the second block holds the last token
-    assert engine.pool.num_free == cfg.num_kv_blocks and not stage.jobs  # nothing held
+    assert engine.block_pool.num_free == cfg.num_kv_blocks and not stage.jobs  # nothing held
 
 
 def test_a_device_failure_while_a_stage_copies_its_prefix_in_holds_nothing(cfg, single, monkeypatch):
@@ -179,7 +179,7 @@ def test_a_device_failure_while_a_stage_copies_its_prefix_in_holds_nothing(cfg, 
     monkeypatch.setattr(engine.kv_cache, "import_stage_block", out_of_memory)
     with pytest.raises(RuntimeError, match="out of memory"):
         stage.begin("r1", ids, computed_blocks(cfg, ids)[:1])
-    assert engine.pool.num_free == cfg.num_kv_blocks and not stage.jobs
+    assert engine.block_pool.num_free == cfg.num_kv_blocks and not stage.jobs
 
 
 def test_a_stage_refuses_what_it_cannot_run(cfg, single):
@@ -196,7 +196,7 @@ def test_a_stage_refuses_what_it_cannot_run(cfg, single):
     later.end("r1")
     with pytest.raises(InvalidRequestError, match="no room"):
         later.begin("r2", [5] * (cfg.num_kv_blocks * cfg.block_size + 10))
-    assert engine.pool.num_free == cfg.num_kv_blocks  # nothing held
+    assert engine.block_pool.num_free == cfg.num_kv_blocks  # nothing held
 
 
 def test_a_failed_stage_ends_the_pipeline_with_its_error(cfg, single):

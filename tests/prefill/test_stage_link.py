@@ -39,11 +39,11 @@ async def on_thread(fn, *args):
 async def group_over(name, cfg, stages, ids, chunk):
     engines = [LLMEngine(cfg) for _ in range(stages)]
     group = [PipelineStage(e, layers) for e, layers in zip(engines, stage_layers(engines[0].runner.kv_spec.num_layers, stages))]
-    free = [e.pool.num_free for e in engines]
+    free = [e.block_pool.num_free for e in engines]
     logits = await run_group(group, [make_transport(name) for _ in group], "r1", ids, chunk, timeout_s=60)
     for stage, before in zip(group, free):
         stage.end("r1")
-        assert stage.engine.pool.num_free == before
+        assert stage.engine.block_pool.num_free == before
     return logits
 
 

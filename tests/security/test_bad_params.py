@@ -146,7 +146,7 @@ def test_a_non_finite_distribution_fails_that_sequence_alone(engine):
     assert [request_id for request_id, _ in failed] == ["poison"] and "not finite" in failed[0][1]
     assert "poison" not in engine.seqs
     assert engine.pop_completion("victim").token_ids == alone
-    assert engine.pool.num_used == 0  # the failed sequence's blocks are free again
+    assert engine.block_pool.num_used == 0  # the failed sequence's blocks are free again
 
 
 def test_the_engine_refuses_top_k_and_stop_token_ids_beyond_its_vocabulary(engine):
