@@ -41,7 +41,8 @@ def test_every_file_the_maps_name_exists():
     files = [p.relative_to(ROOT) for p in ROOT.rglob("*") if p.is_file() and ".venv" not in p.parts
              and ".git" not in p.parts]
     paths, basenames = {str(p) for p in files}, {p.name for p in files}
-    for doc, text in (("README.md", _layout_table()), ("ARCHITECTURE.md", (ROOT / "mooncake/ARCHITECTURE.md").read_text())):
+    architecture = (ROOT / "mooncake/ARCHITECTURE.md").read_text()
+    for doc, text in (("README.md", _layout_table()), ("ARCHITECTURE.md", architecture)):
         stale = [n for n in _names(text) if n not in paths and f"mooncake/{n}" not in paths
                  and f"backends/{n}" not in paths and n.split("/")[-1] not in basenames]
         assert not stale, f"{doc} names files that do not exist: {stale}"
