@@ -28,6 +28,7 @@ from mooncake import messages as m
 from mooncake.hidden_payload import encode_hidden
 from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
 from mooncake.kv_payload import KVPayload, wire_blocks
+from mooncake.prefill.kv_moves import push_to_decode, read_prefix
 from mooncake.prefill.stage_link import StageInbox, chunk_key, run_stage, time_left
 from mooncake.transfer.contract import TransferError
 
@@ -175,18 +176,11 @@ class PrefillStages:
         if worker.cache is None:
             raise TransferError(f"{what}: placed to reuse {len(wanted)} blocks from the cache pool, but this "
                                 f"instance has no cache pool (cache.nodes)")
-        started = time.perf_counter()
-        found = await worker.cache.get_blocks(wanted)
-        payloads = []
-        for i, key in enumerate(wanted):
-            if (data := found.get(key)) is None:
-                raise TransferError(f"{what}: the cache pool no longer holds block {i} ({key:#x}) of the "
-                                    f"prefix it was placed to reuse")
-            try:
-                payloads.append(KVPayload.from_bytes(data))
-            except KVPayloadError as exc:
-                raise KVPayloadError(f"pool block {i} ({key:#x}) of the prefix: {exc}", key) from None
-        return payloads, sum(len(found[key]) for key in wanted), time.perf_counter() - started
+        read = await read_prefix(worker.cache, wanted)
+        if read.missing is not None:
+            error = f"{what}: block {read.missing} of the prefix it was placed to reuse: {read.error}"
+            raise KVPayloadError(error, read.bad_key) if read.bad_key is not None else TransferError(error)
+        return read.payloads, read.num_bytes, read.seconds
 
     async def _push_kv(self, stage, msg: m.PrefillStage, deadline: float, first_block: int,
                        end_block: int):
@@ -198,12 +192,7 @@ class PrefillStages:
             return None
         blocks = await asyncio.to_thread(wire_blocks, payloads)
         what = f"request {msg.request_id} stage {msg.stage}"
-        # NOTE: a transfer id per push: several of a stage's may be in flight at once.
-        result = await worker.transport.send(msg.decode_address, blocks, time_left(deadline, what),
-                                             f"{msg.request_id}/S{msg.stage}/B{first_block}", self_checked=True)
-        if not result.ok:
-            bad = next(b for b in result.blocks if not b.ok)
-            raise TransferError(f"decode {msg.decode_id} at {msg.decode_address} did not take block {bad.key:#x} "
-                                f"of request {msg.request_id} from stage {msg.stage}: {bad.error}")
-        return result
+        return await push_to_decode(worker.transport, msg.decode_id, msg.decode_address, msg.request_id, blocks,
+                                    time_left(deadline, what), f"{msg.request_id}/S{msg.stage}/B{first_block}",
+                                    f" from stage {msg.stage}")
 

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 
 from mooncake import messages as m
 from mooncake.sampling import TokenLogprob
-from mooncake.errors import InvalidRequestError, KVPayloadError, MooncakeError
+from mooncake.errors import InvalidRequestError, MooncakeError
 from mooncake.instance.pool import PoolAccess
 from mooncake.instance.worker import Worker
 from mooncake.kv_payload import KVPayload, wire_blocks
+from mooncake.prefill.kv_moves import push_to_decode, read_prefix
 from mooncake.prefill.stages import PrefillStages
 from mooncake.store.client import CacheClient
-from mooncake.transfer.contract import TransferError, make_transport
+from mooncake.transfer.contract import make_transport
 
 log = logging.getLogger(__name__)
 
@@ -155,22 +156,12 @@ class PrefillWorker(Worker):
         wanted = msg.block_hashes[local:msg.reuse_blocks]
         if not wanted:
             return []
-        start = time.perf_counter()
-        found = await self.cache.get_blocks(wanted)
-        job.fetch_seconds = time.perf_counter() - start
-        payloads = []
-        for key in wanted:
-            data = found.get(key)
-            if data is None:
-                break
-            job.fetched_bytes += len(data)
-            try:
-                payloads.append(KVPayload.from_bytes(data))
-            except KVPayloadError as exc:  # a bad block is a miss: compute from there
-                self._forget_pool_block(job, local + len(payloads), str(exc))
-                break
-        job.num_pool_blocks = local + len(payloads)
-        return payloads
+        read = await read_prefix(self.cache, wanted)
+        job.fetch_seconds, job.fetched_bytes = read.seconds, read.num_bytes
+        job.num_pool_blocks = local + len(read.payloads)
+        if read.bad_key is not None:  # a bad block is a miss: compute from there
+            self._forget_pool_block(job, job.num_pool_blocks, read.error)
+        return read.payloads
 
     def _forget_pool_block(self, job: _Job, index: int, why: str = "it failed its check") -> None:
         """The pool served block `index` of the request's prompt corrupted (no transport checks a KV payload:
@@ -257,15 +248,8 @@ class PrefillWorker(Worker):
     async def _send_to_decode(self, job: _Job, blocks: list, transfer_id: str):
         """Push payloads to the request's decode instance; a block it did not take fails the hand-off."""
         msg = job.msg
-        # NOTE: one transfer id per chunk (and layer): several of a request's may be in flight at once.
-        # NOTE: self_checked: each block is a KVPayload that decode verifies as it imports it (one check).
-        result = await self.transport.send(msg.decode_address, blocks, self._time_left(job), transfer_id,
-                                           self_checked=True)
-        if not result.ok:
-            bad = next(b for b in result.blocks if not b.ok)
-            raise TransferError(f"decode {msg.decode_id} at {msg.decode_address} did not take block "
-                                f"{bad.key:#x} of request {msg.request_id}: {bad.error}")
-        return result
+        return await push_to_decode(self.transport, msg.decode_id, msg.decode_address, msg.request_id, blocks,
+                                    self._time_left(job), transfer_id)
 
     async def _hand_off(self, job: _Job) -> None:
         msg = job.msg
@@ -277,14 +261,15 @@ class PrefillWorker(Worker):
             return
         if self.jobs.pop(msg.request_id, None) is None:
             return  # cancelled meanwhile
+        job.deadline.cancel()
         done, num_forwarded = await self.loop.complete(msg.request_id)
         await self.report(msg.request_id, m.PrefillDone(
             request_id=msg.request_id, first_token=job.first_token, finish_reason=job.finish_reason,
             first_logprob=job.first_logprob, prompt_logprobs=job.prompt_logprobs,
             num_cached_tokens=done.num_cached_tokens, num_computed_tokens=num_forwarded,
             num_kv_blocks_sent=job.num_sent_blocks if msg.decode_address else 0,
-            kv_bytes=sum(r.num_bytes for r in results if r), kv_seconds=sum(r.seconds for r in results if r), prefill_seconds=time.perf_counter() - job.received_s,
-            compute_seconds=job.compute_seconds,
+            kv_bytes=sum(r.num_bytes for r in results if r), kv_seconds=sum(r.seconds for r in results if r),
+            prefill_seconds=time.perf_counter() - job.received_s, compute_seconds=job.compute_seconds,
             fetched_bytes=job.fetched_bytes, fetch_seconds=job.fetch_seconds), is_last=True)
 
     async def drop(self, request_id: str) -> None:
@@ -292,6 +277,7 @@ class PrefillWorker(Worker):
             await self.stages.drop(request_id)
         job = self.jobs.pop(request_id, None)
         if job is not None:
+            job.deadline.cancel()
             for task in job.pushes:
                 task.cancel()
         await self.loop.abort(request_id)
