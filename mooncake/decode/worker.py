@@ -34,6 +34,7 @@ class DecodeWorker(Worker):
         self.inbox = KVInbox(inbox_ttl_s(config), config.instance.kv_inbox_bytes)
         self._expiry: asyncio.Task | None = None
         self._admissions: dict[str, asyncio.Task] = {}  # request id -> its admission, while it runs
+        self._held: set[str] = set()  # requests whose Decode came, until they finish, fail or are dropped
         self.pool = PoolAccess(self.name, config)
 
     async def start_role(self) -> None:
@@ -57,6 +58,11 @@ class DecodeWorker(Worker):
 
     async def on_message(self, msg) -> None:
         if isinstance(msg, m.Decode):
+            if msg.request_id in self._held:  # NOTE: a restarted conductor may send a handed-off leg's again
+                log.info("%s: request %s is decoding here already; its Decode sent again is ignored", self.name,
+                         msg.request_id)
+                return
+            self._held.add(msg.request_id)
             self.reports.track(msg.request_id, msg.reply_to)
             # NOTE: its own task: importing the KV takes a while, and a Cancel meanwhile must reach it.
             self._admissions[msg.request_id] = self.spawn_for(msg.request_id, self._admit(msg), "admission")
@@ -107,7 +113,12 @@ class DecodeWorker(Worker):
             return
         self.pool.write(request_id, blocks)
 
+    async def report_failure(self, request_id: str, error: str, is_invalid: bool = False) -> None:
+        self._held.discard(request_id)
+        await super().report_failure(request_id, error, is_invalid)
+
     async def drop(self, request_id: str) -> None:
+        self._held.discard(request_id)
         if (admission := self._admissions.pop(request_id, None)) is not None:
             admission.cancel()  # its reserved blocks are freed once its copy is done
         await super().drop(request_id)
@@ -122,6 +133,7 @@ class DecodeWorker(Worker):
             if out.finished:
                 self.loop.pop_completion_now(out.request_id)
                 self.reports.forget(out.request_id)
+                self._held.discard(out.request_id)
         for address, reports in by_api.items():
             await self.reports.send_to(address, m.StepTokens(reports=reports) if len(reports) > 1 else reports[0])
 
