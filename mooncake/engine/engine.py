@@ -4,6 +4,7 @@ Also the KV hand-off points: `export_kv()` gives a sequence's full blocks as pay
 layer), and `add_request(kv_payloads=...)` imports such payloads so a sequence resumes in this engine."""
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -112,6 +113,7 @@ class LLMEngine:
         # step (nothing of it may leave before); else ready_at is None (ready now).
         self.layer_sink: Callable[[int | None, list[FilledBlocks], float | None], None] | None = None
         self._tokenizer = None
+        self._tokenizer_lock = threading.Lock()
         self.grammars = Grammars(lambda: self.tokenizer, self.runner.vocab_size, self.runner.eos_token_ids)
         log.info("engine ready: model %s (%s), %d KV blocks of %d tokens on %s/%s, %s prefill",
                  config.model, self.model.model_id, num_blocks, self.block_size, self.device, config.kv_dtype,
@@ -120,8 +122,10 @@ class LLMEngine:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model.path)
+            with self._tokenizer_lock:  # NOTE: a side thread may build it (an engine loop's prepare_grammars)
+                if self._tokenizer is None:
+                    from transformers import AutoTokenizer
+                    self._tokenizer = AutoTokenizer.from_pretrained(self.model.path)
         return self._tokenizer
 
     # -- requests -----------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ the raw distribution: the mask changes what is sampled, not what is reported.
 llguidance (MIT; a Rust core, no other dependency, masks computed on the CPU whatever the device) is the
 grammar engine vLLM's and SGLang's "guidance" backends use."""
 
+import threading
+
 import llguidance
 import torch
 
@@ -18,21 +20,34 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 class Grammars:
     """The engine's grammar side: one llguidance tokenizer for the model (built on the first request that
-    has a grammar: about a second), a matcher per such sequence."""
+    has a grammar: about a second; an engine loop builds it on a side thread first, `prepare`, so running
+    streams do not wait for it), a matcher per such sequence."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self._hf_tokenizer = hf_tokenizer  # a callable: the engine's tokenizer, loaded on first use
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._building = threading.Lock()  # the engine thread and a side thread may both ask for it
+
+    @property
+    def is_ready(self) -> bool:
+        return self._tokenizer is not None
+
+    def prepare(self) -> None:
+        """Build the llguidance tokenizer (and the model's tokenizer under it) now, on the calling thread.
+        Safe while steps run: a step touches only its sequences' matchers."""
+        _ = self.tokenizer
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            import llguidance.hf  # NOTE: here, not at the top: it imports transformers
-            eos = list(self.eos_token_ids) or None
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer(), n_vocab=self.vocab_size,
-                                                           eos_token=eos)
+            with self._building:
+                if self._tokenizer is None:
+                    import llguidance.hf  # NOTE: here, not at the top: it imports transformers
+                    eos = list(self.eos_token_ids) or None
+                    self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer(), n_vocab=self.vocab_size,
+                                                                   eos_token=eos)
         return self._tokenizer
 
     def matcher(self, grammar: str, resumed: list[int]) -> llguidance.LLMatcher:

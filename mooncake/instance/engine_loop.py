@@ -137,6 +137,7 @@ class EngineLoop:
         nothing uses it any more. Returns how many leading prompt blocks the request entered with (held
         here or imported and verified); the rest are computed."""
         engine = self.engine
+        await self.prepare_grammars(params)
         begun = self._queue(engine.begin_import, prompt_token_ids, params, request_id, payloads, keep_kv)
         try:
             pending = await asyncio.shield(begun)
@@ -279,7 +280,15 @@ class EngineLoop:
 
     async def add_request(self, prompt_token_ids: list[int], params, request_id: str, keep_kv: bool = False) -> str:
         """A request with nothing imported enters the engine between two steps."""
+        await self.prepare_grammars(params)
         return await self.call(self.engine.add_request, prompt_token_ids, params, request_id, (), keep_kv)
+
+    async def prepare_grammars(self, params) -> None:
+        """Before the first request with a structured output enters: the engine's grammar tokenizer, built
+        on a side thread (about a second) rather than on the engine's, where every running stream would
+        wait for it."""
+        if params.grammar is not None and not self.engine.grammars.is_ready:
+            await asyncio.to_thread(self.engine.grammars.prepare)
 
     async def abort(self, request_id: str) -> None:
         """The request leaves the engine between two steps, freeing what it holds (none: nothing)."""

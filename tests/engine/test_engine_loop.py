@@ -120,3 +120,37 @@ def test_the_door_reads_the_engine_only_between_steps(cfg, monkeypatch):
             await loop.stop()
     loop = None
     asyncio.run(main())
+
+
+def test_the_first_structured_output_builds_its_grammar_tokenizer_off_the_engine_thread(cfg):
+    """The grammar tokenizer (about a second to build) is built on a side thread before the request enters,
+    so the streams the engine is stepping do not wait for it; the request then decodes under its grammar."""
+    engine = LLMEngine(cfg)
+    built_on = []
+    load = engine.grammars._hf_tokenizer
+
+    def tokenizer():
+        built_on.append(threading.current_thread().name)
+        return load()
+    engine.grammars._hf_tokenizer = tokenizer
+    outputs = []
+
+    async def collect(batch):
+        outputs.extend(batch)
+
+    async def main():
+        loop = EngineLoop(engine, collect, _nothing)
+        loop.start()
+        try:
+            await loop.add_request([5] * 20, SamplingParams(max_tokens=3, grammar='start: "ab" | "cd"'), "r1")
+            for _ in range(200):
+                if any(o.request_id == "r1" and o.finished for o in outputs):
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await loop.stop()
+
+    asyncio.run(main())
+    # not on the engine's thread, nor on the event loop's (calls between steps run there)
+    assert len(built_on) == 1 and not built_on[0].startswith("engine") and built_on[0] != threading.main_thread().name
+    assert [o.finished for o in outputs if o.request_id == "r1"][-1]
