@@ -96,6 +96,7 @@ class PrefillStages:
             await worker.report_failure(rid, f"CPP stage {msg.stage}: {exc}", is_invalid=True)
             return
         try:
+            await worker.loop.prepare_grammars(params)  # NOTE: the last stage's first token may need it
             prefix, fetched_bytes, fetch_s = await self._read_prefix(job)
             # NOTE: on the engine's thread: copying a long prefix in would stall the event loop
             await worker.loop.call_on_engine_thread(stage.begin, rid, msg.token_ids, prefix, params.prefix_root)

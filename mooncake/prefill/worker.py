@@ -126,6 +126,7 @@ class PrefillWorker(Worker):
         try:
             params = msg.sampling.params(max_tokens=1)
             payloads = await self._read_pool(job)
+            await self.loop.prepare_grammars(params)  # NOTE: here, so a cancel meanwhile is seen below
             if previous is not None and self.loop.facts.serial_prefill:
                 await asyncio.shield(previous)  # NOTE: it always ends: each admission sets it when done
             if msg.request_id not in self.jobs:
@@ -139,9 +140,11 @@ class PrefillWorker(Worker):
             else:
                 await self.loop.add_request(msg.token_ids, params, msg.request_id, keep_kv=True)
         except (InvalidRequestError, TypeError) as exc:
+            job.deadline.cancel()
             self.jobs.pop(msg.request_id, None)
             await self.report_failure(msg.request_id, str(exc), is_invalid=True)
         except MooncakeError as exc:
+            job.deadline.cancel()
             self.jobs.pop(msg.request_id, None)
             await self.report_failure(msg.request_id, str(exc))
         finally:

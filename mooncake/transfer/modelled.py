@@ -4,7 +4,7 @@ hardware it emulates would.
 An emulated model's KV and hidden states are far smaller than those of the model it stands for
 (backends/models/emulated.py), so moving them costs, beyond moving the real bytes, what the modelled
 network would take for the modelled ones: per KV block (a layer's slice counts 1/layers of one) and per
-token of hidden states, as the runner's `transfer_seconds` and `activation_seconds` say (the simulator
+token of hidden states, as the runner's `modelled.transfer_seconds` and `activation_seconds` say (the simulator
 charges the same, mooncake/cost.py). `ModelledNetwork` wraps any transport and waits that out: before a
 send, after a fetch. An instance whose runner emulates wraps its transports in it (its roles then wait out
 no time of their own); one with a real model never does."""

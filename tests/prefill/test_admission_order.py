@@ -35,6 +35,9 @@ class RecordingLoop:
     def prefix_length(self, block_hashes):
         return 0
 
+    async def prepare_grammars(self, params):
+        pass
+
     async def add_request(self, token_ids, params, request_id, keep_kv=False):
         self.entered.append(request_id)
 
