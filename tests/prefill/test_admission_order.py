@@ -81,3 +81,30 @@ def test_a_request_dropped_while_reading_the_pool_lets_the_next_one_in():
         assert worker.loop.entered == ["next"]
 
     asyncio.run(main())
+
+
+def test_a_request_cancelled_while_its_grammar_is_prepared_never_enters_the_engine():
+    """The first structured output prepares the engine's grammar tokenizer (about a second, on a side
+    thread): a Cancel that comes meanwhile is seen before the request would enter."""
+    class GrammarLoop(RecordingLoop):
+        def __init__(self):
+            super().__init__(serial=True)
+            self.prepared = asyncio.Event()
+
+        async def prepare_grammars(self, params):
+            await self.prepared.wait()
+
+        async def abort(self, request_id):
+            pass
+
+    async def main():
+        worker = make_worker(serial=True)
+        worker.loop = GrammarLoop()
+        admission = asyncio.create_task(worker._admit(prefill("structured", reuse_blocks=0)))
+        await asyncio.sleep(0.05)
+        await worker.drop("structured")  # the conductor's Cancel
+        worker.loop.prepared.set()
+        await asyncio.wait_for(admission, 5)
+        assert worker.loop.entered == [] and "structured" not in worker.jobs
+
+    asyncio.run(main())
