@@ -21,7 +21,9 @@ from tests.conftest import REAL, TINY
 from tests.cpp_harness import run_group
 
 
-@pytest.fixture(scope="module", params=[TINY, pytest.param(REAL, marks=pytest.mark.real_model)])
+# NOTE: SmolLM2's groups over transports run in the slow tier (about 30 s of make test): the tiny model covers
+# every path here, and SmolLM2's pipeline parity is tests/engine/test_stage.py's (slow tier too).
+@pytest.fixture(scope="module", params=[TINY, pytest.param(REAL, marks=[pytest.mark.real_model, pytest.mark.slow])])
 def cfg(request):
     from mooncake.models.fetch import fetch_model
     return EngineConfig(model=str(fetch_model(request.param)), block_size=16, prefill_chunk=24, num_kv_blocks=64)
