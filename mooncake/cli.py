@@ -88,7 +88,11 @@ def serve(
         raise ConfigError(f"unknown role '{role}': choose one of {', '.join(ROLES)}")
     cfg = load_config(config)
     configure(cfg, role)  # this role's keys for every socket of this process, or loopback only
-    run_service(make_role(role, cfg))
+    service = make_role(role, cfg)
+    if role in ("prefill", "decode"):  # NOTE: here only the engine's thread computes in parallel
+        from mooncake.instance.compute_threads import compute_alone
+        compute_alone()
+    run_service(service)
 
 
 def make_role(role: str, cfg):

@@ -27,6 +27,7 @@ from mooncake.engine import LLMEngine
 from mooncake.engine.engine import Completion, FilledBlocks, RequestOutput
 from mooncake.engine.stage import PipelineStage, reusable_blocks, stage_layers
 from mooncake.errors import InvalidRequestError
+from mooncake.instance.compute_threads import side_executor
 from mooncake.runtime import Supervisor
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,22 @@ class EngineStats:
 class EngineLoop:
     @classmethod
     async def start_engine(cls, config: EngineConfig, on_outputs: OnOutputs, on_failed: OnFailed) -> "EngineLoop":
-        """Load an engine of `config` (seconds of weights: off the event loop's thread) and its loop."""
-        return cls(await asyncio.to_thread(LLMEngine, config), on_outputs, on_failed)
+        """Load an engine of `config` and its loop. The engine is built on the thread that will step it
+        (seconds of weights, off the event loop's thread), and is the only thread of this process that
+        computes in parallel: the KV copy thread and the event loop's default executor compute alone
+        (mooncake/instance/compute_threads.py says why; `mooncake serve` makes the event loop's thread so)."""
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(side_executor("side", max_workers=4))  # to_thread's, in a role
+        executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        try:
+            engine = await loop.run_in_executor(executor, LLMEngine, config)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(engine, on_outputs, on_failed, executor)
 
-    def __init__(self, engine: LLMEngine, on_outputs: OnOutputs, on_failed: OnFailed):
+    def __init__(self, engine: LLMEngine, on_outputs: OnOutputs, on_failed: OnFailed,
+                 executor: ThreadPoolExecutor | None = None):
         self.engine = engine
         runner, modelled = engine.runner, engine.runner.modelled
         self.facts = EngineFacts(
@@ -85,8 +98,8 @@ class EngineLoop:
         self._stages: dict[tuple[int, int], PipelineStage] = {}
         self.on_outputs = on_outputs
         self.on_failed = on_failed
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
-        self._kv_executor = ThreadPoolExecutor(1, thread_name_prefix="kv-copy")
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._kv_executor = side_executor("kv-copy")
         self._calls: deque[tuple[Callable, asyncio.Future, bool]] = deque()  # (fn, its result, on the engine thread)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
