@@ -4,31 +4,22 @@
 No maintained library has one for this torch on a CPU: torch's own paged attention (flex_attention with a
 paged block mask, compiled by inductor) measured no faster than gather + SDPA at batch 32 and 300 tokens of
 context (6.2 vs 6.3 ms a layer), and Intel's extension is not built for this torch. The kernel is compiled
-with the system C compiler at first use (about a second) into $MOONCAKE_HOME/kernels, keyed by its source,
-the compiler and this CPU's flags, and loaded with ctypes: no torch headers, no build step at install.
-Where there is no compiler, or the built kernel disagrees with torch's attention on a check at load, the
-model keeps the gather path and the log says why."""
+at first use (build.py). Where there is no compiler, or the built kernel disagrees with torch's attention
+on a check at load, the model keeps the gather path and the log says why."""
 
 import ctypes
-import hashlib
 import logging
 import math
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from mooncake.env import cpu_flags, mooncake_home
+from backends.kernels import build
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-BUILD_TIMEOUT_S = 120.0
 _i64, _f32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
 
 
@@ -64,7 +55,7 @@ def load() -> PagedDecodeAttention | None:
     log says why)."""
     global _library
     if _library is None:
-        _library = _build_and_load()
+        _library = build.load_library(SOURCE, "paged attention", "decode attention gathers K and V")
     if not _library:
         return None
     kernel = PagedDecodeAttention(_library)
@@ -77,52 +68,6 @@ def load() -> PagedDecodeAttention | None:
 
 
 _library: ctypes.CDLL | bool | None = None  # None: not tried yet; False: tried, unavailable
-
-
-def _build_and_load() -> ctypes.CDLL | bool:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.info("no C compiler on PATH: decode attention gathers K and V (slower at long contexts)")
-        return False
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
-                                        " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
-        target = mooncake_home() / "kernels" / f"paged_attention-{key}.so"
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _owned_by_us(target.parent)  # NOTE: loading a library runs its code: none that another user placed
-        if not target.exists():
-            _compile(compiler, target)
-        _owned_by_us(target)
-        return ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("could not build the paged attention kernel (%s); decode attention gathers K and V", exc)
-        return False
-
-
-def _owned_by_us(path: Path) -> None:
-    """OSError unless `path` is this user's and no one else may write it."""
-    info = path.stat()
-    if info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise OSError(f"{path} belongs to another user or others may write it (mode {info.st_mode & 0o777:o}); "
-                      f"set MOONCAKE_HOME to a directory of your own")
-
-
-def _compile(compiler: str, target: Path) -> None:
-    # NOTE: built beside its final name and renamed into place, so engines starting together never load a
-    # half-written file.
-    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True,
-                              text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            raise OSError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-500:]}")
-        os.replace(partial, target)
-        log.info("built the paged attention kernel: %s", target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
 
 
 def reference(q: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from backends.kernels import paged_attention
+from backends.kernels import fused_ops, paged_attention
 from mooncake.engine.runner import ForwardBatch, ModelRunner
 from mooncake.errors import ModelError, UnsupportedModelError
 from mooncake.kv_geometry import KVSpec
@@ -45,6 +45,8 @@ class LlamaRunner(ModelRunner):
         # NOTE: on a CPU in float32, decode attention reads the paged cache in place (a C kernel built at
         # first use); elsewhere, or without a compiler, it gathers K and V for torch's SDPA.
         self.paged = paged_attention.load() if device.type == "cpu" and dtype == torch.float32 else None
+        # ... and the residual add + RMSNorm, and RoPE + the KV-cache write, are one C call each
+        self.fused = fused_ops.load() if device.type == "cpu" and dtype == torch.float32 else None
         self.cos, self.sin = _rope_tables(config, self.head_dim, self.max_position_embeddings, device, dtype)
 
     def _load_weights(self, model_dir: Path, config) -> None:
@@ -111,30 +113,55 @@ class LlamaRunner(ModelRunner):
         n = batch.input_ids.shape[0]
         if hidden is None:
             hidden = F.embedding(batch.input_ids, self.embed)
-        cos, sin = self.cos.index_select(0, batch.positions), self.sin.index_select(0, batch.positions)
+        elif self.fused is not None:
+            hidden = hidden.clone()  # NOTE: the fused residual add writes in place; the caller's stays as it is
+        cos = sin = None
+        if self.fused is None:
+            cos, sin = self.cos.index_select(0, batch.positions), self.sin.index_select(0, batch.positions)
+        delta = None  # the residual still to be added to hidden: the last layer's MLP output
         for layer_id in layers:
             w = self.layers[layer_id]
-            x = _rms_norm(hidden, w["ln1"], self.eps)
+            hidden, x = self._add_norm(hidden, delta, w["ln1"])
             qkv = self._linear(x, w["wqkv"], w["bqkv"])
-            # NOTE: q and k rotated in one call (their heads side by side in qkv): half the ops of two
-            qk = _rope(qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
-                                                                  self.head_dim), cos, sin)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-            v = qkv[:, self.q_size + self.kv_size:]
             kv_layer = kv[layer_id - layers.start]
-            kv_layer[0].index_copy_(0, batch.slot_mapping, k)
-            kv_layer[1].index_copy_(0, batch.slot_mapping, v.view(n, self.num_kv_heads, self.head_dim))
+            q = self._rope_store(qkv, batch, cos, sin, kv_layer)
             if on_layer is not None:
                 on_layer(layer_id)
             attn = self._attention(batch, q, kv_layer)
-            hidden = hidden + self._linear(attn.view(n, self.q_size), w["wo"], w["bo"])
-            x = _rms_norm(hidden, w["ln2"], self.eps)
+            hidden, x = self._add_norm(hidden, self._linear(attn.view(n, self.q_size), w["wo"], w["bo"]), w["ln2"])
             gate, up = self._linear(x, w["wgu"]).split(self.intermediate, dim=-1)
-            hidden = hidden + self._linear(F.silu(gate) * up, w["wd"])
+            delta = self._linear(F.silu(gate) * up, w["wd"])
+        if delta is not None:
+            hidden = hidden + delta
         if layers.stop < self.num_layers:
             return hidden
         last = _rms_norm(hidden[batch.logits_indices], self.norm, self.eps)
         return self._linear(last, self.lm_head).float()
+
+    def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + delta, RMSNorm of it): the residual add and the next norm."""
+        if self.fused is not None:
+            return hidden, self.fused.add_rms_norm(hidden, delta, weight, self.eps)
+        if delta is not None:
+            hidden = hidden + delta
+        return hidden, _rms_norm(hidden, weight, self.eps)
+
+    def _rope_store(self, qkv: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor | None,
+                    sin: torch.Tensor | None, kv_layer: torch.Tensor) -> torch.Tensor:
+        """q [n, heads, d] rotated; k rotated and v written into this layer's cache at the batch's slots."""
+        if self.fused is not None and kv_layer.is_contiguous():
+            return self.fused.rope_store(qkv, self.cos, self.sin, batch.positions, batch.slot_mapping, kv_layer,
+                                         self.num_heads)
+        if cos is None:
+            cos, sin = self.cos.index_select(0, batch.positions), self.sin.index_select(0, batch.positions)
+        n, heads = qkv.shape[0], self.num_heads + self.num_kv_heads
+        # NOTE: q and k rotated in one call (their heads side by side in qkv): half the ops of two
+        qk = fused_ops.rope(qkv[:, :self.q_size + self.kv_size].view(n, heads, self.head_dim), cos, sin)
+        v = qkv[:, self.q_size + self.kv_size:]
+        kv_layer[0].index_copy_(0, batch.slot_mapping, qk[:, self.num_heads:])
+        kv_layer[1].index_copy_(0, batch.slot_mapping, v.view(n, self.num_kv_heads, self.head_dim))
+        return qk[:, :self.num_heads]
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed:
@@ -202,13 +229,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE; x is [n, heads, d], cos/sin are [n, d]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 def _rope_tables(config, head_dim: int, max_positions: int, device, dtype):
