@@ -4,7 +4,8 @@
 Prefill tokens/s at 128 / 512 / 2048 tokens (HF baseline: one forward pass computing only the last
 position's logits, as generate does); decode tokens/s at batch 1 / 8 / 32 (HF baseline: generate() for
 the same requests one after another, plus HF's own padded batch for reference); prefill FLOP/s against a
-plain torch matmul measured in the same run. Prints a table, writes JSON (default bench-results/engine.json).
+plain torch matmul measured in the same run; decode without the fused layer ops (backends/kernels/fused_ops.c)
+beside decode with them, where they are built. Prints a table, writes JSON (default bench-results/engine.json).
 """
 
 import argparse
@@ -115,10 +116,19 @@ def main() -> None:
         return hf.generate(**enc, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                            do_sample=False, pad_token_id=tok.pad_token_id or 0)
 
+    def unfused(fn):
+        fused, engine.runner.fused = engine.runner.fused, None
+        try:
+            return fn()
+        finally:
+            engine.runner.fused = fused
+
     for b in map(int, args.batches.split(",")):
         batch = [prompt_ids(tok, 32, salt=i) for i in range(b)]
         total = b * args.new_tokens
         fns = {"ours": lambda: engine.generate(batch, greedy), "hf_seq": lambda: [hf_one(ids) for ids in batch]}
+        if engine.runner.fused is not None:
+            fns["ours_unfused"] = lambda: unfused(lambda: engine.generate(batch, greedy))
         if b > 1:
             fns["hf_pad"] = lambda: hf_padded(batch)
         # Short runs are repeated to average out noise; the longest is long enough as it is.
@@ -129,6 +139,8 @@ def main() -> None:
         results["decode"][b] = {"ours_tok_s": total / ours, "hf_sequential_tok_s": total / sequential,
                                 "hf_padded_batch_tok_s": total / padded, "ratio_vs_sequential": sequential / ours,
                                 "ratio_vs_padded_batch": padded / ours}
+        if "ours_unfused" in t:
+            results["decode"][b]["fused_ops_speedup"] = t["ours_unfused"] / ours
         print(f"  decode batch {b}: ours {total / ours:.1f} tok/s", file=sys.stderr)
 
     print_table(results)
@@ -145,13 +157,14 @@ def print_table(r: dict) -> None:
     for n, p in r["prefill"].items():
         print(f"{n:<10}{p['ours_tok_s']:>12.1f}{p['hf_tok_s']:>12.1f}{p['ratio']:>7.2f}x{GOALS['prefill']:>6.1f}x"
               f"{p['ours_gflops']:>14.1f}{p['of_matmul_ceiling']:>11.0%}")
-    print(f"\n{'decode':<10}{'ours tok/s':>12}{'HF seq tok/s':>14}{'ratio':>8}{'goal':>7}{'HF batch tok/s':>16}{'ratio':>8}")
+    print(f"\n{'decode':<10}{'ours tok/s':>12}{'HF seq tok/s':>14}{'ratio':>8}{'goal':>7}{'HF batch tok/s':>16}{'ratio':>8}"
+          f"{'fused ops':>11}")
     for b, d in r["decode"].items():
         goal = {1: GOALS["decode_b1"], 8: GOALS["decode_b8"]}.get(int(b))
         goal_s = f"{goal:>6.1f}x" if goal else f"{'-':>7}"
         print(f"{'batch ' + str(b):<10}{d['ours_tok_s']:>12.1f}{d['hf_sequential_tok_s']:>14.1f}"
               f"{d['ratio_vs_sequential']:>7.2f}x{goal_s}{d['hf_padded_batch_tok_s']:>16.1f}"
-              f"{d['ratio_vs_padded_batch']:>7.2f}x")
+              f"{d['ratio_vs_padded_batch']:>7.2f}x{d.get('fused_ops_speedup', float('nan')):>10.2f}x")
 
 
 if __name__ == "__main__":
