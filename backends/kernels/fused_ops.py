@@ -31,19 +31,34 @@ class FusedOps:
                      eps: float) -> torch.Tensor:
         """hidden += delta in place (when given); returns RMSNorm(hidden) * weight. hidden and delta
         [rows, dim], contiguous."""
+        if delta is not None:
+            delta = delta.contiguous()  # NOTE: held here, not a temporary: C reads it after data_ptr() returns
+            _check_floats(delta)
+        _check_floats(hidden, weight)
+        rows, dim = hidden.shape
+        if weight.shape != (dim,) or (delta is not None and delta.shape != hidden.shape):
+            raise ValueError(f"hidden {tuple(hidden.shape)}, delta {None if delta is None else tuple(delta.shape)} "
+                             f"and weight {tuple(weight.shape)} do not match")
         out = torch.empty_like(hidden)
-        self._norm(hidden.data_ptr(), None if delta is None else delta.contiguous().data_ptr(), weight.data_ptr(),
-                   out.data_ptr(), hidden.shape[0], hidden.shape[1], eps, torch.get_num_threads())
+        self._norm(hidden.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                   out.data_ptr(), rows, dim, eps, torch.get_num_threads())
         return out
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    slots: torch.Tensor, kv_layer: torch.Tensor, heads: int) -> torch.Tensor:
         """Rotated q [rows, heads, d] from qkv [rows, (heads + 2 kv_heads) d]; rotated k and v written into
         kv_layer [2, slots, kv_heads, d] at `slots`. cos, sin [max_positions, d]; positions, slots int64."""
+        _check_floats(qkv, cos, sin, kv_layer)
         rows = qkv.shape[0]
         num_slots, kv_heads, dim = kv_layer.shape[1:]
+        if qkv.shape[1] != (heads + 2 * kv_heads) * dim or cos.shape != sin.shape or cos.shape[1] != dim:
+            raise ValueError(f"q|k|v rows of {qkv.shape[1]}, cos {tuple(cos.shape)} and sin {tuple(sin.shape)} do "
+                             f"not fit {heads} heads and {kv_heads} KV heads of {dim}")
         q = qkv.new_empty(rows, heads, dim)
-        positions, slots = positions.contiguous(), slots.contiguous()
+        positions, slots = positions.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+        if positions.shape != (rows,) or slots.shape != (rows,):
+            raise ValueError(f"{rows} rows of q|k|v take as many positions and slots, not {tuple(positions.shape)} "
+                             f"and {tuple(slots.shape)}")
         failed = self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                             q.data_ptr(), kv_layer[0].data_ptr(), kv_layer[1].data_ptr(), rows, heads, kv_heads,
                             dim, cos.shape[0], num_slots, torch.get_num_threads())
@@ -51,6 +66,14 @@ class FusedOps:
             raise IndexError(f"a position (at most {int(positions.max())}) or a KV slot (at most "
                              f"{int(slots.max())}) is out of its table ({cos.shape[0]} positions, {num_slots} slots)")
         return q
+
+
+def _check_floats(*tensors: torch.Tensor) -> None:
+    """The C code reads raw float32 memory: anything else is a caller's bug, raised before it is read."""
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"the fused layer ops take contiguous float32 CPU tensors, not {t.dtype} on "
+                             f"{t.device} (contiguous: {t.is_contiguous()})")
 
 
 def load() -> FusedOps | None:

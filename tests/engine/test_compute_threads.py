@@ -19,15 +19,16 @@ _needs_threads = pytest.mark.skipif(torch.get_num_threads() < 2 or not compute_t
                                 reason="needs torch on libgomp with two threads or more")
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
 
 
 def _big_parallel_op() -> int:
-    """The OS threads this process gained while this thread copied a large tensor."""
+    """The OS threads that started while this thread scaled a large tensor (threads that end meanwhile,
+    other tests' leftovers, do not count)."""
     before = _threads()
     torch.ones(2048, 2048).mul_(3.0)
-    return _threads() - before
+    return len(_threads() - before)
 
 
 def _on_fresh_thread(fn, alone: bool):

@@ -57,3 +57,20 @@ def test_a_position_or_slot_out_of_its_table_is_an_error_and_writes_nothing_ther
     with pytest.raises(IndexError, match="slot"):
         ops.rope_store(qkv, cos, sin, torch.tensor([0]), torch.tensor([4]), kv, heads)
     assert not kv.any()
+
+
+def test_tensors_the_c_code_cannot_read_as_they_are_are_refused_before_it_reads_them():
+    hidden, weight = torch.randn(4, 8), torch.randn(8)
+    with pytest.raises(ValueError, match="float32"):
+        ops.add_rms_norm(hidden.double(), None, weight, 1e-5)
+    with pytest.raises(ValueError, match="contiguous: False"):
+        ops.add_rms_norm(torch.randn(8, 4).t(), None, weight, 1e-5)
+    with pytest.raises(ValueError, match="do not match"):
+        ops.add_rms_norm(hidden, torch.randn(3, 8), weight, 1e-5)
+    got = ops.add_rms_norm(hidden.clone(), torch.randn(8, 4).t(), weight, 1e-5)  # a strided delta is copied
+    assert got.shape == (4, 8)
+    kv, qkv = torch.zeros(2, 4, 1, 16), torch.randn(2, 4 * 16)
+    with pytest.raises(ValueError, match="positions and slots"):
+        ops.rope_store(qkv, torch.ones(8, 16), torch.ones(8, 16), torch.tensor([0]), torch.tensor([0, 1]), kv, 2)
+    with pytest.raises(ValueError, match="do not fit"):
+        ops.rope_store(qkv, torch.ones(8, 16), torch.ones(8, 16), torch.tensor([0, 1]), torch.tensor([0, 1]), kv, 3)
