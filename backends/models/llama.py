@@ -114,7 +114,8 @@ class LlamaRunner(ModelRunner):
         if hidden is None:
             hidden = F.embedding(batch.input_ids, self.embed)
         elif self.fused is not None:
-            hidden = hidden.clone()  # NOTE: the fused residual add writes in place; the caller's stays as it is
+            # NOTE: the fused residual add writes in place: a copy of the caller's, in the layout it reads
+            hidden = hidden.to(self.dtype, memory_format=torch.contiguous_format, copy=True)
         cos = sin = None
         if self.fused is None:
             cos, sin = self.cos.index_select(0, batch.positions), self.sin.index_select(0, batch.positions)

@@ -16,6 +16,7 @@ copies the loop takes between steps (`stats`, the prefix cache's mirror behind `
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -71,14 +72,15 @@ class EngineLoop:
         computes in parallel: the KV copy thread and the event loop's default executor compute alone
         (mooncake/instance/compute_threads.py says why; `mooncake serve` makes the event loop's thread so)."""
         loop = asyncio.get_running_loop()
-        loop.set_default_executor(side_executor("side", max_workers=4))  # to_thread's, in a role
+        # NOTE: replaces the loop's default executor (to_thread's) for the rest of this role's life; one
+        # made before this point (a model fetch) ends with its last reference.
+        loop.set_default_executor(side_executor("side", max_workers=min(32, (os.cpu_count() or 1) + 4)))
         executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         try:
-            engine = await loop.run_in_executor(executor, LLMEngine, config)
+            return cls(await loop.run_in_executor(executor, LLMEngine, config), on_outputs, on_failed, executor)
         except BaseException:
             executor.shutdown(wait=False)
             raise
-        return cls(engine, on_outputs, on_failed, executor)
 
     def __init__(self, engine: LLMEngine, on_outputs: OnOutputs, on_failed: OnFailed,
                  executor: ThreadPoolExecutor | None = None):

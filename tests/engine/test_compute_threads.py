@@ -15,7 +15,7 @@ from mooncake.instance import compute_threads
 from mooncake.instance import engine_loop
 from mooncake.instance.engine_loop import EngineLoop
 
-_needs_threads = pytest.mark.skipif(torch.get_num_threads() < 2 or not compute_threads._setter(),
+_needs_threads = pytest.mark.skipif(torch.get_num_threads() < 2 or not compute_threads._per_thread_setters(),
                                 reason="needs torch on libgomp with two threads or more")
 
 
@@ -24,10 +24,11 @@ def _threads() -> set[str]:
 
 
 def _big_parallel_op() -> int:
-    """The OS threads that started while this thread scaled a large tensor (threads that end meanwhile,
-    other tests' leftovers, do not count)."""
+    """The OS threads that started while this thread scaled a large tensor and multiplied two matrices
+    (threads that end meanwhile, other tests' leftovers, do not count)."""
     before = _threads()
-    torch.ones(2048, 2048).mul_(3.0)
+    a = torch.ones(2048, 2048).mul_(3.0)
+    a[:512, :512] @ a[:512, :512]
     return len(_threads() - before)
 
 
