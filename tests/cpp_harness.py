@@ -87,5 +87,5 @@ async def run_group(stages: list[Stage], transports: list[Transport], request_id
             await transport.stop()
 
 
-async def _on_thread(fn, *args):
-    return await asyncio.to_thread(fn, *args)
+async def _on_thread(stage, *args):
+    return await asyncio.to_thread(stage.run, *args)

@@ -216,7 +216,7 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self, since: float | None = None) -> list[RequestOutput]:
-        """Schedule, run and sample one batch. With an emulated runner the step lasts the time it models,
+        """Schedule, run and sample one batch (or a CPP stage's chunk, `Scheduler.stage_turn`). With an emulated runner the step lasts the time it models,
         counted from `since` (a `time.perf_counter()`; default: now): an engine loop running steps back to
         back passes the previous step's `modelled_end`, so what it does between steps counts against that
         time as it would overlap the device's work on real hardware, and a step the host ended late (a
@@ -224,6 +224,10 @@ class LLMEngine:
         started = time.perf_counter() if since is None else since
         self.last_modelled_s = None
         scheduled = self.scheduler.schedule()
+        if (chunk := self.scheduler.stage_turn(scheduled)) is not None:  # a CPP stage's chunk takes the step
+            chunk.stage.step(chunk, self.scheduler.max_num_batched_tokens, since)
+            self.scheduler.on_stage_computed(chunk)
+            return []
         if not scheduled:
             return []
         batch, sampled, prompt_rows = build_batch(scheduled, self.block_size, self.device, self.dtype)

@@ -5,7 +5,12 @@ sequences are admitted in arrival order while budget, sequence slots and free bl
 prefill (`engine.prefill_batching`) a step holds at most one prompt's chunk, the earliest's, so a
 prompt's first token never waits for a later prompt's tokens. On admission a sequence reuses the longest
 run of its leading blocks found in the local prefix cache. When blocks run out, the newest running
-sequence is preempted: its blocks are freed (they stay findable by hash) and it is recomputed later."""
+sequence is preempted: its blocks are freed (they stay findable by hash) and it is recomputed later.
+
+A CPP stage's chunk (engine/stage.py `StageChunk`, other layers than the model's) cannot join a batch: it
+takes a step of its own (`stage_turn`), first come, first served with the batch's prompts by their
+requests' arrival, never two steps in a row while sequences decode, and computes at most the step's token
+budget (a longer chunk takes several steps)."""
 
 from collections import deque
 
@@ -13,6 +18,7 @@ from mooncake.config import EngineConfig
 from mooncake.engine.batch import ScheduledSeq
 from mooncake.engine.block_pool import BlockPool
 from mooncake.engine.sequence import Sequence, SeqStatus
+from mooncake.errors import InvalidRequestError
 
 
 class Scheduler:
@@ -26,12 +32,15 @@ class Scheduler:
         self.block_pool = block_pool
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.stage_chunks: list = []  # CPP stages' chunks waiting for steps (StageChunk), in arrival order
+        self.stage_finished: list = []  # those done or failed since the last drain_stage_chunks
+        self._stage_ran_last = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.stage_chunks)
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
@@ -70,6 +79,36 @@ class Scheduler:
             budget -= n
             prefilling = True
         return scheduled
+
+    def stage_turn(self, scheduled: list[ScheduledSeq]):
+        """The stage chunk that takes this step instead of `scheduled` (whose blocks stay reserved for a
+        later step), or None: the earliest-arrived chunk, unless a prompt in `scheduled` arrived before it,
+        or it took the last step and `scheduled` has sequences decoding (their next tokens wait)."""
+        chunk = min(self.stage_chunks, key=lambda c: c.arrival_s, default=None)
+        prompts = [item.seq.arrival_s for item in scheduled if _prefilling(item.seq)]
+        if chunk is None or prompts and min(prompts) < chunk.arrival_s \
+                or self._stage_ran_last and len(prompts) < len(scheduled):
+            self._stage_ran_last = False
+            return None
+        self._stage_ran_last = True
+        return chunk
+
+    def on_stage_computed(self, chunk) -> None:
+        """After a step of `chunk`: once finished, it leaves the queue for `drain_stage_chunks`."""
+        if chunk.finished:
+            self.stage_chunks.remove(chunk)
+            self.stage_finished.append(chunk)
+
+    def drop_stage_chunks(self, stage, request_id: str, why: str) -> None:
+        """`stage`'s queued chunks of `request_id` fail (InvalidRequestError `why`) and leave the queue."""
+        for chunk in [c for c in self.stage_chunks if c.stage is stage and c.request_id == request_id]:
+            chunk.error = chunk.error or InvalidRequestError(why)
+            self.on_stage_computed(chunk)
+
+    def drain_stage_chunks(self) -> list:
+        """The stage chunks finished (or failed) since the last call."""
+        finished, self.stage_finished = self.stage_finished, []
+        return finished
 
     def on_computed(self, scheduled: list[ScheduledSeq]) -> None:
         """After the forward pass: advance each sequence and publish its newly full blocks by hash."""

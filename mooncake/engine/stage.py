@@ -13,13 +13,15 @@ engine's, so a prompt takes about 1/X of each member's cache (decode, which hold
 its length). Those blocks are never
 registered in the prefix cache (another request must not match them) and are freed by `end`.
 `export` gives its layers of the prompt's full blocks, one payload per layer, as layer-wise streaming
-sends them, so decode assembles a block from the X stages' layers. A stage's chunk runs as a forward of
-its own (`run`), on the engine's thread between its steps: it is never batched with other requests,
-whose layers differ. A prompt's cached prefix (whole blocks from the cache pool) is given to `begin`:
+sends them, so decode assembles a block from the X stages' layers. A stage's chunk is a forward of its
+own (`run`), never batched with other requests, whose layers differ; in an instance it goes through the
+engine's scheduler as a `StageChunk` (`submit`): it takes a step of the engine's when it is its turn, first
+come, first served with the engine's prompts, at most a step's token budget per step
+(`Scheduler.stage_turn`). A prompt's cached prefix (whole blocks from the cache pool) is given to `begin`:
 each stage copies its layers of it in, and the chunks start after it."""
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +56,40 @@ class _Job:
     hashes: list[int]
     done: int = 0  # tokens computed
     modelled_end: float = 0.0  # an emulated model's: when its last chunk ended on the modelled device
+    arrival_s: float = field(default_factory=time.perf_counter)  # its turn among the engine's prompts
+
+
+@dataclass(eq=False)
+class StageChunk:
+    """The next `num_tokens` of a prompt through `stage`, waiting in its engine's scheduler for steps of
+    its own (`PipelineStage.submit`). When `finished`, `result` is what `run` gives those tokens at
+    once, or `error` says why it failed (the chunk's failure alone, never its step's)."""
+
+    stage: "PipelineStage"
+    request_id: str
+    num_tokens: int
+    hidden: torch.Tensor | None  # the stage before's output for these tokens; None on the first stage
+    since: float | None = None  # when it could have started on an emulated device (`run`'s `since`)
+    waiter: object = None  # its caller's, to hand the result to (EngineLoop's future); never read here
+    arrival_s: float = 0.0  # its request's arrival in the stage (`begin`), set by `submit`
+    done: int = 0  # tokens computed
+    parts: list = field(default_factory=list)  # what each step of it gave
+    result: torch.Tensor | None = None
+    error: Exception | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or self.done >= self.num_tokens
+
+    def answer(self) -> None:
+        """Once finished: its result or error to `waiter` (a future, on the thread that owns it), unless the
+        waiter is done already (cancelled)."""
+        if self.waiter is None or self.waiter.done():
+            return
+        if self.error is not None:
+            self.waiter.set_exception(self.error)
+        else:
+            self.waiter.set_result(self.result)
 
 
 class PipelineStage:
@@ -132,6 +168,37 @@ class PipelineStage:
                 time.sleep(job.modelled_end - now)
         return out
 
+    def submit(self, chunk: StageChunk) -> None:
+        """Queue `chunk` in the engine's scheduler, between steps; InvalidRequestError when its request is
+        not in this stage or the prompt has fewer tokens left than it and the chunks queued before it."""
+        job = self.jobs.get(chunk.request_id)
+        if job is None:
+            raise InvalidRequestError(f"request {chunk.request_id!r} is not in this stage")
+        queued = sum(c.num_tokens - c.done for c in self.engine.scheduler.stage_chunks
+                     if c.stage is self and c.request_id == chunk.request_id)
+        if not 0 < chunk.num_tokens <= len(job.prompt) - job.done - queued:
+            raise InvalidRequestError(f"request {chunk.request_id!r}: a chunk of {chunk.num_tokens} tokens, with "
+                                      f"{len(job.prompt) - job.done - queued} of its prompt left for this stage")
+        chunk.arrival_s = job.arrival_s
+        self.engine.scheduler.stage_chunks.append(chunk)
+
+    def step(self, chunk: StageChunk, max_tokens: int, since: float | None = None) -> None:
+        """One engine step of `chunk` (its turn, `Scheduler.stage_turn`): at most `max_tokens` more of it
+        through `run`, its first part from its own `since` when it has one, a later part from the step's."""
+        n = min(chunk.num_tokens - chunk.done, max_tokens)
+        hidden = None if chunk.hidden is None else chunk.hidden[chunk.done:chunk.done + n]
+        try:
+            out = self.run(chunk.request_id, n, hidden, chunk.since if chunk.done == 0 and chunk.since is not None
+                           else since)
+        except Exception as exc:  # noqa: BLE001  the chunk's caller gets it; the engine steps on
+            chunk.error = exc
+            return
+        chunk.done += n
+        chunk.parts.append(out)
+        if chunk.done == chunk.num_tokens:  # the last stage's logits are its last part's (its last token's)
+            chunk.result = out if self.last or len(chunk.parts) == 1 else torch.cat(chunk.parts)
+            chunk.parts = []
+
     def modelled_end(self, request_id: str) -> float | None:
         """When the request's last chunk here ended on an emulated device (see `run`); None when no chunk
         of it ran on one."""
@@ -191,7 +258,8 @@ class PipelineStage:
         return token, logprob, "stop" if stops else "length" if params.max_tokens <= 1 else None
 
     def end(self, request_id: str) -> None:
-        """Free the prompt's blocks; unknown ids are ignored."""
+        """Free the prompt's blocks, failing its chunks still queued; unknown ids are ignored."""
+        self.engine.scheduler.drop_stage_chunks(self, request_id, f"request {request_id!r} left the stage")
         job = self.jobs.pop(request_id, None)
         if job is not None:
             self.engine.block_pool.release(job.held)

@@ -1,7 +1,9 @@
 """Runs an LLMEngine's steps on one worker thread so the event loop stays free for I/O (KV transfers,
 heartbeats, control messages). The engine is touched only between steps: callers queue changes with
 `call()`, which the loop applies before the next step, or long work with `call_on_engine_thread()`, which
-it runs on the engine's thread between steps (a CPP stage's chunk), so the event loop stays free meanwhile. A second thread moves KV bytes while steps run:
+it runs on the engine's thread between steps (a CPP stage's prefix copy), so the event loop stays free
+meanwhile; a CPP stage's chunks go through the engine's scheduler (`run_stage_chunk`). A second thread
+moves KV bytes while steps run:
 `add_request_with_kv` verifies and copies imported blocks there, and `export_kv` copies and checksums
 blocks out of the cache there (on a GPU, on a side stream: `PagedKVCache.export_blocks`), so neither
 stalls a step nor the event loop.
@@ -12,7 +14,7 @@ copies the loop takes between steps (`stats`, the prefix cache's mirror behind `
 `take_cache_changes` and `cache_snapshot`); changes go through `call` and the named calls (`add_request`,
 `abort`, `complete`); the few reads an `on_outputs` makes between steps (`forwarded_tokens`,
 `num_full_blocks`, `pop_completion_now`) raise if a step is running; CPP stages come from
-`pipeline_stage`."""
+`pipeline_stage`, and their chunks are computed by `run_stage_chunk`."""
 
 import asyncio
 import logging
@@ -26,7 +28,7 @@ from typing import Awaitable, Callable
 from mooncake.config import EngineConfig
 from mooncake.engine import LLMEngine
 from mooncake.engine.engine import Completion, FilledBlocks, RequestOutput
-from mooncake.engine.stage import PipelineStage, reusable_blocks, stage_layers
+from mooncake.engine.stage import PipelineStage, StageChunk, reusable_blocks, stage_layers
 from mooncake.errors import InvalidRequestError
 from mooncake.instance.compute_threads import side_executor
 from mooncake.runtime import Supervisor
@@ -379,6 +381,20 @@ class EngineLoop:
             self._stages[key] = PipelineStage(self.engine, layers)
         return self._stages[key]
 
+    async def run_stage_chunk(self, stage: PipelineStage, request_id: str, num_tokens: int, hidden,
+                              since: float | None = None):
+        """`stage.run(request_id, num_tokens, hidden, since)`'s result, computed in this engine's steps when
+        its scheduler gives the chunk its turn (`Scheduler.stage_turn`). Cancelled, the chunk leaves the
+        queue between two steps (what of it was computed stays computed)."""
+        chunk = StageChunk(stage, request_id, num_tokens, hidden, since,
+                           waiter=asyncio.get_running_loop().create_future())
+        await self.call(stage.submit, chunk)
+        try:
+            return await chunk.waiter
+        except asyncio.CancelledError:
+            self._queue(self.engine.scheduler.drop_stage_chunks, stage, request_id, "cancelled")
+            raise
+
     def reusable_blocks(self, num_tokens: int) -> int:
         """How many leading blocks of a prompt a CPP stage may take from the cache pool."""
         return reusable_blocks(num_tokens, self.facts.block_size)
@@ -389,6 +405,8 @@ class EngineLoop:
         scheduler, blocks = engine.scheduler, engine.block_pool
         self.stats = EngineStats(len(scheduler.waiting), len(scheduler.running), blocks.num_used,
                                  {rid: len(seq.output_token_ids) for rid, seq in engine.seqs.items()})
+        for chunk in scheduler.drain_stage_chunks():  # a CPP stage's, to its caller
+            chunk.answer()
         events = blocks.events
         if len(events) == events.maxlen:  # NOTE: some were dropped: start again from the whole cache
             events.clear()

@@ -5,7 +5,7 @@ Each stage's transport serves a `StageInbox`. A chunk's hidden states (`hidden_p
 which carries its own check) are sent to the next stage's inbox under `chunk_key(request, stage, chunk)`,
 self-checked, so no transport hashes them again; the receiving stage waits for that key with a deadline,
 and `decode_hidden` verifies them. `run_stage` is one stage's whole part in a prompt: it receives chunk j,
-computes it on its engine's thread (`compute`), starts sending the result on, and takes chunk j + 1, so a
+computes it in its engine's steps (`compute`), starts sending the result on, and takes chunk j + 1, so a
 stage computes while its neighbours send and compute."""
 
 import asyncio
@@ -21,12 +21,14 @@ from mooncake.hidden_payload import decode_hidden, encode_hidden
 from mooncake.hashing import HASH_SEED
 from mooncake.transfer.contract import BlockService, TransferError, Transport
 
-Compute = Callable[..., Awaitable]  # runs fn(*args) on the stage engine's thread: EngineLoop.call_on_engine_thread
+# (stage, request id, tokens, hidden, since) -> `stage.run`'s result, computed in the stage engine's steps:
+# EngineLoop.run_stage_chunk
+Compute = Callable[..., Awaitable]
 
 
 class Stage(Protocol):
     """What a stage run needs of an engine's pipeline stage (`engine/stage.py:PipelineStage`, which a role
-    gets from `EngineLoop.pipeline_stage`); `run` goes through `compute`."""
+    gets from `EngineLoop.pipeline_stage`); its chunks are computed through `compute`."""
 
     def begin(self, request_id: str, prompt_token_ids: list[int]) -> None: ...
 
@@ -135,7 +137,7 @@ async def run_stage(stage: Stage, index: int, request_id: str, chunk_sizes: list
                 # NOTE: checked off the event loop, kept on the host: `stage.run` moves it to the device
                 hidden = await asyncio.to_thread(decode_hidden, data)
             # NOTE: a chunk that was here before the last one ended starts at that one's modelled end
-            out = await compute(stage.run, request_id, size, hidden, None if waiting else previous_end)
+            out = await compute(stage, request_id, size, hidden, None if waiting else previous_end)
             if (end := stage.modelled_end(request_id)) is not None:
                 previous_end = min(time.perf_counter(), end)
             if on_chunk is not None:

@@ -3,7 +3,7 @@ each instance of a group, for a prompt long enough to be worth a pipeline.
 
 Stage k holds layers k*L/X .. (k+1)*L/X - 1 (`engine/stage.py`). For each chunk of the prompt it takes the
 previous stage's hidden states from this instance's `StageInbox` (stage 0: the tokens), computes its
-layers on the engine's thread between the engine's own steps, and sends the result to the next stage
+layers in the engine's steps, its turn among the engine's prompts given by its scheduler, and sends the result to the next stage
 (`stage_link.run_stage`). As each chunk fills blocks, it pushes its layers of them to decode while the next
 chunk computes, one payload per block and layer, as layer-wise streaming does, so decode claims each block
 by all its layers and only the last chunk's push lands on TTFT.
@@ -122,7 +122,7 @@ class PrefillStages:
                 pushes.append(asyncio.ensure_future(self._push_kv(stage, msg, deadline, pushed, full)))
                 pushed = full
         try:
-            logits = await run_stage(stage, msg.stage, rid, sizes, worker.loop.call_on_engine_thread, self.inbox,
+            logits = await run_stage(stage, msg.stage, rid, sizes, worker.loop.run_stage_chunk, self.inbox,
                                      worker.transport, msg.next_address or None, deadline, push_filled)
             compute_s = time.perf_counter() - computing
             sent = [r for r in await asyncio.gather(*pushes) if r is not None]

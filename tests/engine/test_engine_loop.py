@@ -7,8 +7,10 @@ import threading
 import time
 
 import pytest
+import torch
 
 from mooncake.engine import LLMEngine, SamplingParams
+from mooncake.engine.stage import PipelineStage, stage_layers
 from mooncake.instance.engine_loop import EngineLoop
 
 
@@ -154,3 +156,69 @@ def test_the_first_structured_output_builds_its_grammar_tokenizer_off_the_engine
     # not on the engine's thread, nor on the event loop's (calls between steps run there)
     assert len(built_on) == 1 and not built_on[0].startswith("engine") and built_on[0] != threading.main_thread().name
     assert [o.finished for o in outputs if o.request_id == "r1"][-1]
+
+
+def test_a_stage_chunk_waits_for_its_turn_in_the_steps_and_a_cancelled_one_leaves_the_queue(cfg):
+    """A CPP stage's chunk (`run_stage_chunk`) is computed in the loop's steps, on the engine's thread, after
+    the steps of a prompt that arrived before its request; cancelled while it waits, it leaves the queue
+    and nothing of it is computed."""
+    engine = LLMEngine(cfg)
+    stage = PipelineStage(engine, stage_layers(engine.runner.kv_spec.num_layers, 2)[0])
+    reference = PipelineStage(LLMEngine(cfg), stage.layers)
+    steps = threading.Semaphore(0)
+    ran = []  # per step: what it computed, on which thread
+    real_step = engine.step
+
+    def step(since=None):
+        assert steps.acquire(timeout=10)
+        before = {rid: job.done for rid, job in stage.jobs.items()}
+        outputs = real_step(since)
+        kind = "stage" if {rid: job.done for rid, job in stage.jobs.items()} != before else "prompt"
+        ran.append((kind, threading.current_thread().name))
+        return outputs
+    engine.step = step
+    engine.add_request([7] * 40, SamplingParams(max_tokens=1), "p")  # 3 steps of 16 tokens, arrived first
+    stage.begin("s1", [5] * 20)
+    reference.begin("s1", [5] * 20)
+
+    async def main():
+        loop = EngineLoop(engine, _nothing, _nothing)
+        loop.start()
+        try:
+            first = asyncio.ensure_future(loop.run_stage_chunk(stage, "s1", 20, None))
+            steps.release()  # the prompt's first step; the chunk is queued after it
+            while not engine.scheduler.stage_chunks:
+                await asyncio.sleep(0.01)
+            steps.release(2)
+            await asyncio.sleep(0.2)
+            assert not first.done()  # the prompt's steps first: it arrived before the stage's request
+            steps.release()
+            out = await asyncio.wait_for(first, 10)
+            # a prompt arrives, then the stage's second request; its chunk is queued behind the prompt's steps
+            await loop.call(engine.add_request, [8] * 40, SamplingParams(max_tokens=1), "q")
+            began = asyncio.ensure_future(loop.call(stage.begin, "s2", [6] * 20))
+            steps.release()
+            await asyncio.wait_for(began, 10)
+            cancelled = asyncio.ensure_future(loop.run_stage_chunk(stage, "s2", 20, None))
+            steps.release()
+            while not engine.scheduler.stage_chunks:
+                await asyncio.sleep(0.01)
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            steps.release(100)
+            for _ in range(100):
+                if not engine.scheduler.stage_chunks:
+                    break
+                await asyncio.sleep(0.01)
+            return out
+        finally:
+            steps.release(100)
+            await loop.stop()
+
+    out = asyncio.run(main())
+    assert [kind for kind, _ in ran[:4]] == ["prompt"] * 3 + ["stage"]
+    assert all(thread.startswith("engine") for _, thread in ran)
+    torch.testing.assert_close(out, reference.run("s1", 20, None), atol=1e-4, rtol=1e-4)
+    assert stage.jobs["s2"].done == 0 and not engine.scheduler.stage_chunks
+    assert [kind for kind, _ in ran[4:]] == ["prompt"] * 3  # the prompt's steps alone

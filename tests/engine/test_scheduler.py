@@ -119,3 +119,66 @@ def test_auto_prefill_batching_is_serial_on_prefill_instances_only():
     assert DecodeWorker(auto).engine_config().prefill_batching == "budget"  # decode and colocated instances
     chosen = load_config(None, {"engine.prefill_batching": "budget"})
     assert PrefillWorker(chosen).engine_config().prefill_batching == "budget"
+
+
+class _Chunk:
+    """A CPP stage's chunk as the scheduler sees one (engine/stage.py StageChunk): its request's arrival,
+    and finished once its tokens are computed."""
+
+    def __init__(self, request_id, arrival_s, num_tokens):
+        self.stage, self.request_id, self.arrival_s, self.num_tokens = "stage", request_id, arrival_s, num_tokens
+        self.done, self.error = 0, None
+
+    @property
+    def finished(self):
+        return self.error is not None or self.done >= self.num_tokens
+
+
+def stage_or_batch(sched):
+    """One engine step: a stage chunk's (it computes its whole budget) or the batch's."""
+    items = sched.schedule()
+    chunk = sched.stage_turn(items)
+    if chunk is None:
+        sched.on_computed(items)
+        for item in items:
+            if item.seq.num_computed_tokens == item.seq.num_tokens:
+                item.seq.output_token_ids.append(0)
+        return {item.seq.seq_id: item.num_new_tokens for item in items}
+    chunk.done += min(chunk.num_tokens - chunk.done, sched.max_num_batched_tokens)
+    sched.on_stage_computed(chunk)
+    return {f"stage {chunk.request_id}": chunk.done}
+
+
+def test_a_stage_chunk_takes_steps_in_its_requests_turn_first_come_first_served():
+    sched = make(serial_prefill=True)
+    a, b = seq("a", 20), seq("b", 20)
+    a.arrival_s, b.arrival_s = 1.0, 3.0
+    sched.add(a)
+    sched.add(b)
+    chunk = _Chunk("s", 2.0, 30)  # arrived between a and b: after a's prompt, before b's
+    sched.stage_chunks.append(chunk)
+    assert stage_or_batch(sched) == {"a": 8}  # a arrived first
+    assert stage_or_batch(sched) == {"a": 8}
+    assert stage_or_batch(sched) == {"a": 4}
+    # a decodes now: the chunk and a's decode steps alternate, and b waits for the chunk
+    assert stage_or_batch(sched) == {"stage s": 12}  # at most the step's token budget
+    assert stage_or_batch(sched) == {"a": 1, "b": 8}  # b was admitted by the step the chunk took; a decodes
+    assert stage_or_batch(sched) == {"stage s": 24}
+    assert stage_or_batch(sched) == {"a": 1, "b": 8}
+    assert stage_or_batch(sched) == {"stage s": 30}
+    assert chunk.finished and sched.stage_chunks == [] and sched.drain_stage_chunks() == [chunk]
+    assert sched.drain_stage_chunks() == []
+    assert stage_or_batch(sched) == {"a": 1, "b": 4}
+
+
+def test_a_stage_chunk_alone_runs_at_once_and_a_dropped_one_fails_for_its_caller():
+    sched = make()
+    assert not sched.has_work()
+    first, second = _Chunk("s", 1.0, 4), _Chunk("t", 2.0, 4)
+    sched.stage_chunks += [second, first]
+    assert sched.has_work()
+    assert stage_or_batch(sched) == {"stage s": 4}  # the earlier request's, whatever the queue's order
+    sched.drop_stage_chunks("stage", "t", "request 't' left the stage")
+    assert sched.stage_chunks == [] and not sched.has_work()
+    assert sched.drain_stage_chunks() == [first, second]
+    assert "left the stage" in str(second.error) and second.done == 0

@@ -10,7 +10,7 @@ import torch
 
 from mooncake.config import EngineConfig
 from mooncake.engine import LLMEngine, SamplingParams
-from mooncake.engine.stage import PipelineStage, stage_layers
+from mooncake.engine.stage import PipelineStage, StageChunk, stage_layers
 from mooncake.errors import InvalidRequestError, KVPayloadError, ModelError
 from mooncake.hidden_payload import decode_hidden, encode_hidden
 from tests.conftest import REAL, TINY
@@ -208,3 +208,49 @@ def test_a_failed_stage_ends_the_pipeline_with_its_error(cfg, single):
     group[0].run = broken
     with pytest.raises(RuntimeError, match="lost its device"):
         run_local_pipeline(group, "r1", prompt(single), chunk_tokens=16, timeout_s=30)
+
+
+def test_a_chunk_through_the_engines_scheduler_gives_what_run_gives_in_budget_sized_steps(cfg, single):
+    """In an instance a stage's chunk takes steps of its engine (`submit`, `Scheduler.stage_turn`): a chunk
+    longer than the step's token budget takes several, and gives what one `run` of it gives."""
+    ids = prompt(single, 40)
+    layers = stage_layers(single.runner.kv_spec.num_layers, 2)
+    direct = [PipelineStage(LLMEngine(cfg), r) for r in layers]
+    small = dataclasses.replace(cfg, max_num_batched_tokens=16, max_num_seqs=4)
+    stepped = [PipelineStage(LLMEngine(small), r) for r in layers]
+    for stage in direct + stepped:
+        stage.begin("r1", ids)
+    hidden = direct[0].run("r1", 40, None)
+    logits = direct[1].run("r1", 40, hidden)
+    results = []
+    for stage, given in zip(stepped, (None, hidden)):
+        chunk = StageChunk(stage, "r1", 40, given)
+        stage.submit(chunk)
+        steps = 0
+        while stage.engine.has_unfinished():
+            assert stage.engine.step() == []
+            steps += 1
+        assert steps == 3 and stage.engine.scheduler.drain_stage_chunks() == [chunk]  # 16 + 16 + 8 tokens
+        assert chunk.error is None and stage.jobs["r1"].done == 40
+        results.append(chunk.result)
+    torch.testing.assert_close(results[0], hidden, atol=1e-4, rtol=1e-4)
+    assert results[1].shape == (1, single.runner.vocab_size)
+    torch.testing.assert_close(results[1], logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_stage_refuses_a_chunk_it_cannot_run_and_fails_those_queued_when_its_request_ends(cfg, single):
+    engine = LLMEngine(cfg)
+    stage = PipelineStage(engine, range(0, 1))
+    ids = prompt(single, 20)
+    with pytest.raises(InvalidRequestError, match="not in this stage"):
+        stage.submit(StageChunk(stage, "r1", 8, None))
+    stage.begin("r1", ids)
+    stage.submit(StageChunk(stage, "r1", 16, None))
+    with pytest.raises(InvalidRequestError, match="4 of its prompt left"):  # 20 tokens, 16 queued already
+        stage.submit(StageChunk(stage, "r1", 8, None))
+    with pytest.raises(InvalidRequestError, match="a chunk of 0 tokens"):
+        stage.submit(StageChunk(stage, "r1", 0, None))
+    stage.end("r1")  # before any step: its queued chunk fails, its blocks are free
+    (failed,) = engine.scheduler.drain_stage_chunks()
+    assert isinstance(failed.error, InvalidRequestError) and "left the stage" in str(failed.error)
+    assert not engine.has_unfinished() and engine.block_pool.num_free == cfg.num_kv_blocks

@@ -34,8 +34,8 @@ def make_transport(name):
     return cls() if name == "inproc" else cls(host="127.0.0.1")
 
 
-async def on_thread(fn, *args):
-    return await asyncio.to_thread(fn, *args)
+async def on_thread(stage, *args):
+    return await asyncio.to_thread(stage.run, *args)
 
 
 async def group_over(name, cfg, stages, ids, chunk):
@@ -69,8 +69,8 @@ def test_a_stage_computes_on_while_its_sends_are_on_their_way_each_after_its_hop
     stage.begin("r5", list(range(1, 25)))
     computed, arrived = [], []
 
-    async def compute(fn, *args):
-        out = await asyncio.to_thread(fn, *args)
+    async def compute(stage, *args):
+        out = await asyncio.to_thread(stage.run, *args)
         computed.append(time.monotonic())
         return out
 
