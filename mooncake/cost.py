@@ -14,7 +14,10 @@ engine's mixed step) is charged by `step_s` under one of STEP_MODELS:
 - "additive": the prefill chunks' compute plus the decode step, as if run one after the other (an upper
   bound; it inflates a colocated engine's TBT).
 A pure decode step is memory-bound and a pure prefill chunk of hundreds of tokens compute-bound under
-both, so they cost the same; the two models differ only on mixed steps and on tiny chunks.
+both, so they cost the same; the two models differ only on mixed steps and on tiny chunks. Both add
+`decode_row_s` per decode row (work a row costs beyond its FLOPs and bytes: 0 on the testbed; a CPU core's
+fitted per-row time, scripts/profile_engine.py, where "additive" with it is a decode step linear in batch
+and context, the conductor's own DecodeStepModel form).
 
 Coefficients (LLaMA3-70B on 8 x A800-SXM4-80GB, the paper's testbed):
 - gpu_flops 312e12 and hbm_bytes_per_s 8 x 2.0e12: NVIDIA A800/A100 80GB SXM4 datasheet (BF16 dense tensor
@@ -51,6 +54,7 @@ class CostModel:
     hbm_bytes_per_s: float = 8 * 2.0e12  # 8 GPUs
     decode_efficiency: float = 0.6  # share of HBM bandwidth a decode step achieves
     decode_overhead_s: float = 0.004  # launch and sampling per step
+    decode_row_s: float = 0.0  # per decode row and step, beyond its FLOPs and bytes (0: none, as on the testbed)
     activation_bytes_per_token: int = 8192 * 2  # hidden state at a stage boundary, bf16
     step_model: str = "roofline"  # how a mixed prefill + decode step is charged: one of STEP_MODELS
 
@@ -83,7 +87,8 @@ class CostModel:
         if batch_size <= 0:
             return 0.0
         bytes_read = self.weight_bytes + self.kv_bytes(context_tokens)
-        return self.decode_overhead_s + bytes_read / (self.hbm_bytes_per_s * self.decode_efficiency)
+        return (self.decode_overhead_s + self.decode_row_s * batch_size
+                + bytes_read / (self.hbm_bytes_per_s * self.decode_efficiency))
 
     def step_s(self, prefills: list[tuple[int, int]] = (), batch_size: int = 0, context_tokens: int = 0) -> float:
         """One engine step: prefill chunks given as (context after the chunk, context before it) and a decode
@@ -99,7 +104,8 @@ class CostModel:
         compute_s = flops / (self.gpus_per_node * self.gpu_flops * self.mfu)
         read = self.weight_bytes + self.kv_bytes(context_tokens + sum(min(r, n) for n, r in prefills))
         memory_s = read / (self.hbm_bytes_per_s * self.decode_efficiency)
-        return max(compute_s, memory_s) + (self.decode_overhead_s if batch_size > 0 else 0.0)
+        return max(compute_s, memory_s) + (self.decode_overhead_s + self.decode_row_s * batch_size if batch_size > 0
+                                           else 0.0)
 
     def prefill_coefficients(self) -> tuple[float, float, float]:
         """(c0, c1, c2) seeding the conductor's PrefillTimeModel with this cost model, exactly."""
@@ -109,7 +115,7 @@ class CostModel:
     def decode_coefficients(self) -> tuple[float, float, float]:
         """(a, b, c) seeding the conductor's DecodeStepModel: a + b*batch + c*context_tokens."""
         rate = self.hbm_bytes_per_s * self.decode_efficiency
-        return self.decode_overhead_s + self.weight_bytes / rate, 0.0, self.kv_bytes_per_token / rate
+        return self.decode_overhead_s + self.weight_bytes / rate, self.decode_row_s, self.kv_bytes_per_token / rate
 
 
 def pipeline_ends(chunk_s: list[float], stages: int, hop_s: float = 0.0,

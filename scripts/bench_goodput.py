@@ -328,8 +328,9 @@ def main() -> None:
     parser.add_argument("--oracle", action="store_true",
                         help="the old replay, for comparison only: max_tokens = the trace's output length with "
                              "ignore_eos, and the conductor predicts decode work from it")
-    parser.add_argument("--cost", choices=["roofline", "additive"], default="roofline",
-                        help="how a step mixing prefill and decode is charged, live and simulated (mooncake/cost.py)")
+    parser.add_argument("--cost", choices=["roofline", "additive"],
+                        help="how a step mixing prefill and decode is charged, live and simulated (mooncake/cost.py); "
+                             "default roofline, and with --real the step model the profile's fit chose")
     parser.add_argument("--prior-scale", type=float, default=2.0,
                         help="conductor.estimator_prior_scale: the estimators start this far off and learn")
     parser.add_argument("--capacity", choices=["none", "sim", "both"], default="sim",
@@ -363,6 +364,7 @@ def main() -> None:
         whole = trace = synthetic_trace(rng, args.requests)
     if args.real:
         return goodput_real.run(args, whole)
+    args.cost = args.cost or "roofline"
     args.max_tokens = args.max_tokens or max(r.output_length for r in whole)
     # What each request writes: the emulated model's answer to its prompt under the cap (the oracle: the trace's).
     answered = trace if args.oracle else with_emulated_answers(trace, args.max_tokens, TRACE_BLOCK)

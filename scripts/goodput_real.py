@@ -9,7 +9,8 @@ conversation-trace slice is scaled to fit the model's context: its prompt is --s
 
 Beside each live run, the simulator replays the same requests (prompt lengths, shared prefixes, and the
 answer lengths the live run wrote) with the cost model that scripts/profile_engine.py fitted to this engine on
-one core: the simulator's error against the real cluster is part of the result.
+one core, under the step model its fit chose (or --cost): the simulator's error against the real cluster is
+part of the result.
 
 SLOs are the paper's (TTFT 30 s; TBT 0.1 / 0.2 / 0.3 s) as the same multiple of the same work's time on
 this core as on the paper's testbed (`slo_scale`): TTFT's by the median prompt's prefill (scaled here, the
@@ -122,11 +123,14 @@ def live(mode: str, trace, args, rate: float, cost: CostModel) -> dict:
     return result
 
 
-def simulated(mode: str, trace, args, rate: float) -> dict:
+def simulated(mode: str, trace, args, rate: float, profile: Path | None = None, step_model: str | None = None) -> dict:
+    """The simulator's figures for this replay, with the profile's [cost] table (or `profile`'s) under
+    --cost (or `step_model`)."""
     config = load_config(None, {"sim.mode": "vllm" if mode == "colocated" else "mooncake", "sim.speed": rate,
                                 "sim.num_prefill": 1, "sim.num_decode": 1, "sim.num_instances": 2,
-                                "sim.block_tokens": BLOCK, "sim.chunk_tokens": 512, "sim.step_model": args.cost,
-                                "sim.cost_file": str(args.profile), "sim.max_tokens": args.real_max_tokens,
+                                "sim.block_tokens": BLOCK, "sim.chunk_tokens": 512,
+                                "sim.step_model": step_model or args.cost,
+                                "sim.cost_file": str(profile or args.profile), "sim.max_tokens": args.real_max_tokens,
                                 "sim.decode_kv_tokens": args.kv_tokens,
                                 "sim.vllm_cache_blocks": args.kv_tokens // BLOCK,
                                 "conductor.estimator_prior_scale": args.prior_scale,
@@ -144,7 +148,14 @@ def ensure_profile(path: Path) -> None:
 
 def run(args, whole: list[TraceRequest]) -> None:
     ensure_profile(args.profile)
-    cost = CostModel.from_dict(tomllib.loads(args.profile.read_text())["cost"], str(args.profile))
+    profile = tomllib.loads(args.profile.read_text())
+    cost = CostModel.from_dict(profile["cost"], str(args.profile))
+    args.cost = args.cost or cost.step_model  # NOTE: the simulator charges steps as the profile's fit chose
+    # the profile's fit under the other step model: the simulator replays each live run with it too
+    others = {}
+    for name, table in profile.get("other_fits", {}).items():
+        others[name] = Path(tempfile.mkdtemp(prefix="goodput-real-fit-")) / f"{name}.toml"
+        others[name].write_text("[cost]\n" + "".join(f"{k} = {v!r}\n" for k, v in table.items()))
     args.kv_tokens = int((1 << 30) / cost.kv_bytes_per_token)  # engine.kv_cache_bytes, the default 1 GiB
     trace = scaled(whole[:args.real_requests], args.scale, 8192, args.real_max_tokens)
     args.slo_scale = slo_scale(cost, trace, whole[:args.real_requests])
@@ -155,14 +166,19 @@ def run(args, whole: list[TraceRequest]) -> None:
             results["live"][mode][f"{rate:g}"] = got
             # NOTE: the simulator gets the answer lengths this live run wrote (the same greedy answers each time)
             answered = [dataclasses.replace(r, output_length=max(1, n)) for r, n in zip(trace, got["tokens"])]
-            results["sim"][mode][f"{rate:g}"] = sim = simulated(mode, answered, args, rate)
-            sim["error"] = {"ttft_mean": sim["ttft_mean_s"] / max(1e-9, got["ttft_mean_s"]),
-                            **{f"goodput_{t}": sim["goodput"][t] - got["goodput"][t] for t in sim["goodput"]}}
+            sims = {args.cost: simulated(mode, answered, args, rate)}
+            sims.update({name: simulated(mode, answered, args, rate, path, name) for name, path in others.items()})
+            for name, sim in sims.items():
+                sim["error"] = {"ttft_mean": sim["ttft_mean_s"] / max(1e-9, got["ttft_mean_s"]),
+                                **{f"goodput_{t}": sim["goodput"][t] - got["goodput"][t] for t in sim["goodput"]}}
+                side = results["sim"] if name == args.cost else results.setdefault("sim_other_fits", {}).setdefault(
+                    name, {"mooncake": {}, "colocated": {}})
+                side[mode][f"{rate:g}"] = sim
             print(f"rate {rate:g} {mode}: live good@0.1/0.2/0.3 "
-                  + " / ".join(f"{v:.2f}" for v in got["goodput"].values())
-                  + f", TTFT mean {got['ttft_mean_s']:.2f} s; sim "
-                  + " / ".join(f"{v:.2f}" for v in sim["goodput"].values())
-                  + f", TTFT mean {sim['ttft_mean_s']:.2f} s; CPU {got['cpu']}", flush=True)
+                  + " / ".join(f"{v:.2f}" for v in got["goodput"].values()) + f", TTFT mean {got['ttft_mean_s']:.2f} s; "
+                  + "; ".join(f"sim ({name} fit) " + " / ".join(f"{v:.2f}" for v in sim["goodput"].values())
+                              + f", TTFT mean {sim['ttft_mean_s']:.2f} s" for name, sim in sims.items())
+                  + f"; CPU {got['cpu']}", flush=True)
     results["capacity"] = {"sim": {}}
     answered = [dataclasses.replace(r, output_length=max(1, n)) for r, n in
                 zip(trace, results["live"][args.modes[0]][f"{args.rates[0]:g}"]["tokens"])]
@@ -185,14 +201,16 @@ def report(results: dict, trace, args) -> None:
     ttft_x, tbt_x = args.slo_scale
     print(f"SLOs scaled to this core's speed: TTFT {TTFT_SLO_S * ttft_x:.1f} s, TBT "
           + " / ".join(f"{t * tbt_x:.3g}" for t in THRESHOLDS_S) + " s (columns keep the paper's labels)")
-    print(f"{'rate':>5} {'system':<10} {'side':<5} {'good@0.1':>8} {'good@0.2':>8} {'good@0.3':>8} "
+    print(f"{'rate':>5} {'system':<10} {'side':<19} {'good@0.1':>8} {'good@0.2':>8} {'good@0.3':>8} "
           f"{'TTFT mean':>9} {'429':>4} {'failed':>6}")
+    sides = {"live": results["live"], f"sim, {args.cost} fit": results["sim"],
+             **{f"sim, {name} fit": other for name, other in results.get("sim_other_fits", {}).items()}}
     for rate in args.rates:
         for mode in args.modes:
-            for side in ("live", "sim"):
-                r = results[side][mode][f"{rate:g}"]
+            for side, by_mode in sides.items():
+                r = by_mode[mode][f"{rate:g}"]
                 g = r["goodput"]
-                print(f"{rate:5g} {mode:<10} {side:<5} {g['0.1']:8.3f} {g['0.2']:8.3f} {g['0.3']:8.3f} "
+                print(f"{rate:5g} {mode:<10} {side:<19} {g['0.1']:8.3f} {g['0.2']:8.3f} {g['0.3']:8.3f} "
                       f"{r['ttft_mean_s']:9.2f} {r['rejected']:4d} {r['failed']:6d}")
     cap = results["capacity"]["sim"]
     if len(args.modes) == 2:

@@ -3,14 +3,20 @@
 so that the simulator can predict a cluster of such cores (`bench_goodput.py --real` tests that prediction).
 
 Measured, pinned to `--core` with one torch thread: a whole prefill of n tokens (in the live cluster's
-chunks), and a decode step at batch B over C tokens of context per row. Fitted:
+chunks), a decode step at batch B over C tokens of context per row, and a mixed step: those B decode rows
+beside a new prompt's first chunk. Fitted, the prefill first, then the decode step under each step model:
 - prefill: t(n) = c1*n + c2*n^2 by least squares through the origin; the cost model's FLOPs per token come
   from the model's shape (b: its dense matmul FLOPs per token and layer over d_model^2), so c1 gives the
   core's achieved FLOP/s and c2 the attention coefficient a;
-- decode: t = overhead + max(compute, memory) (the roofline step), compute from the prefill's FLOP/s, memory
-  the weights and the KV read at a fitted bandwidth; the overhead and the bandwidth minimise the relative error.
-Every point's measured and fitted time is printed and written (a CPU core is no roofline machine: the error
-is part of the result). Writes a TOML [cost] table that `sim.cost_file` reads, and JSON beside it."""
+- "roofline": t = overhead + max(compute, memory), compute from the prefill's FLOP/s, memory the weights and
+  the KV read at a fitted bandwidth; the overhead and the bandwidth minimise the relative error;
+- "additive": t = A + B*batch + C*context (linear, the conductor's DecodeStepModel form; a mixed step adds
+  its chunk's prefill time), by least squares in relative error: the KV read at C's rate, B per row
+  (`decode_row_s`), A the weights' read at that rate plus the overhead.
+The mixed steps are fitted by neither: they test which model prices a step that mixes prefill and decode
+on this core. `--step-model` picks the table written; by default the one with the smaller error over
+every point. Every point's measured and fitted time under both is printed and written (the error is part of
+the result). Writes a TOML [cost] table that `sim.cost_file` reads, and JSON beside it."""
 
 import argparse
 import json
@@ -73,12 +79,36 @@ def fit_decode(shape: dict, flops: float, a: float, points: list[tuple[int, int,
     return {"hbm_bytes_per_s": best[1], "decode_overhead_s": best[2]}
 
 
+def fit_decode_linear(shape: dict, points: list[tuple[int, int, float]]) -> dict:
+    """The additive model's decode fields: t = A + B*batch + C*(batch*context) by least squares in relative
+    error, each coefficient at least 0 (one that comes out negative is fixed at 0 and the rest refitted)."""
+    import numpy as np
+
+    rows = np.array([[1.0, b, b * c] for b, c, _ in points])
+    times = np.array([t for _, _, t in points])
+    free = [0, 1, 2]
+    while True:
+        coef = np.zeros(3)
+        weighted = rows[:, free] / times[:, None]  # relative error: every row over its measured time
+        coef[free] = np.linalg.lstsq(weighted, np.ones(len(points)), rcond=None)[0]
+        if (coef >= 0).all():
+            break
+        free.remove(int(np.argmin(np.where(np.isin(range(3), free), coef, np.inf))))
+    intercept, per_row, per_kv_token = (float(c) for c in coef)
+    bandwidth = shape["kv_bytes_per_token"] / per_kv_token if per_kv_token > 0 else 1e18
+    # NOTE: the cost model reads the weights at the KV's rate too; the overhead is what that leaves of the
+    # intercept, negative where a core reads its weights faster per byte than it attends over the KV (the
+    # step, intercept + rows + context, is what was fitted, and never below the intercept)
+    return {"hbm_bytes_per_s": bandwidth, "decode_row_s": per_row,
+            "decode_overhead_s": intercept - shape["weight_bytes"] / bandwidth}
+
+
 def measure(args) -> dict:
     from mooncake.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(EngineConfig(model=args.model, num_threads=1, prefill_chunk=args.chunk,
-                                    max_num_batched_tokens=max(args.chunk, max(args.batches)),
-                                    max_num_seqs=max(args.batches), enable_prefix_cache=False))
+                                    max_num_batched_tokens=args.chunk + max(args.batches),
+                                    max_num_seqs=max(args.batches) + 1, enable_prefix_cache=False))
     vocab = engine.model.config["vocab_size"]
 
     def prompt(n: int, salt: int) -> list[int]:
@@ -94,7 +124,7 @@ def measure(args) -> dict:
             times.append(time.perf_counter() - started)
         prefill.append((n, statistics.median(times)))
         print(f"  prefill {n:5d} tokens: {prefill[-1][1] * 1e3:8.1f} ms", file=sys.stderr)
-    decode = []
+    decode, mixed = [], []
     for batch in args.batches:
         for context in args.contexts:
             params = SamplingParams(max_tokens=args.steps + 2, ignore_eos=True)
@@ -106,30 +136,49 @@ def measure(args) -> dict:
                 started = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - started)
+            decode.append((batch, context, statistics.median(times)))
+            print(f"  decode batch {batch:3d} x {context:5d} context: {decode[-1][2] * 1e3:8.2f} ms/step",
+                  file=sys.stderr)
+            if context == args.contexts[0]:  # the same rows beside a new prompt's first chunk, in one step
+                times = []
+                for r in range(args.repeats):
+                    joined = engine.add_request(prompt(args.chunk, 200 + r), SamplingParams(max_tokens=1))
+                    started = time.perf_counter()
+                    engine.step()
+                    times.append(time.perf_counter() - started)
+                    engine.abort(joined)
+                mixed.append((batch, context, args.chunk, statistics.median(times)))
+                print(f"  mixed: those {batch} rows and a {args.chunk}-token chunk: {mixed[-1][3] * 1e3:8.2f} ms",
+                      file=sys.stderr)
             for i in ids:
                 engine.abort(i)
             while engine.has_unfinished():
                 engine.step()
-            decode.append((batch, context, statistics.median(times)))
-            print(f"  decode batch {batch:3d} x {context:5d} context: {decode[-1][2] * 1e3:8.2f} ms/step",
-                  file=sys.stderr)
-    return {"config": engine.model.config, "prefill": prefill, "decode": decode}
+    return {"config": engine.model.config, "prefill": prefill, "decode": decode, "mixed": mixed}
 
 
-def fit(config: dict, prefill, decode) -> tuple[dict, list[dict]]:
-    """The [cost] table fitted to the measured points, and every point's measured and fitted time."""
+def fit(config: dict, prefill, decode, mixed=(), step_model: str | None = None) -> tuple[dict, list[dict], dict]:
+    """The [cost] table fitted to the measured points under `step_model` (None: the one with the smaller
+    error over every point, the mixed steps included), the other model's fit under its `other_fits`; every
+    point's measured time and its fitted time under each model; and each model's RMS relative error."""
     shape = shape_of(config)
     c1, c2 = fit_prefill(prefill)
     flops = shape["layers"] * shape["b"] * shape["d_model"] ** 2 / c1
     a = c2 * flops / (shape["layers"] * shape["d_model"])
-    table = {**shape, "a": a, "gpu_flops": flops, "mfu": 1.0, "decode_efficiency": 1.0,
-             **fit_decode(shape, flops, a, decode)}
-    model = CostModel(**table)
-    rows = [{"kind": "prefill", "tokens": n, "measured_s": t, "fitted_s": (s := model.prefill_s(n)), "ratio": s / t}
+    base = {**shape, "a": a, "gpu_flops": flops, "mfu": 1.0, "decode_efficiency": 1.0}
+    tables = {"roofline": {**base, **fit_decode(shape, flops, a, decode), "step_model": "roofline"},
+              "additive": {**base, **fit_decode_linear(shape, decode), "step_model": "additive"}}
+    models = {name: CostModel(**table) for name, table in tables.items()}
+    rows = [{"kind": "prefill", "tokens": n, "measured_s": t, "fitted_s": {k: m.prefill_s(n) for k, m in models.items()}}
             for n, t in prefill]
     rows += [{"kind": "decode", "batch": b, "context": c, "measured_s": t,
-              "fitted_s": (s := model.step_s([], b, b * c)), "ratio": s / t} for b, c, t in decode]
-    return table, rows
+              "fitted_s": {k: m.step_s([], b, b * c) for k, m in models.items()}} for b, c, t in decode]
+    rows += [{"kind": "mixed", "batch": b, "context": c, "chunk": n, "measured_s": t,
+              "fitted_s": {k: m.step_s([(n, 0)], b, b * c) for k, m in models.items()}} for b, c, n, t in mixed]
+    errors = {k: (sum((row["fitted_s"][k] / row["measured_s"] - 1) ** 2 for row in rows) / len(rows)) ** 0.5
+              for k in models}
+    chosen = step_model or min(errors, key=errors.get)
+    return {**tables[chosen], "other_fits": {k: t for k, t in tables.items() if k != chosen}}, rows, errors
 
 
 def main() -> None:
@@ -141,26 +190,38 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed per point")
-    parser.add_argument("--repeats", type=int, default=3, help="prefills timed per length")
+    parser.add_argument("--repeats", type=int, default=3, help="prefills (and mixed steps) timed per point")
+    parser.add_argument("--step-model", choices=["roofline", "additive"],
+                        help="the decode fit written (default: the one with the smaller error over every point)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/profile-smollm2.toml"),
                         help="the [cost] table (JSON of every point beside it)")
     args = parser.parse_args()
     offline_hub()
     os.sched_setaffinity(0, {args.core})
     measured = measure(args)
-    table, rows = fit(measured["config"], measured["prefill"], measured["decode"])
-    print(f"\n{'point':<28} {'measured ms':>12} {'fitted ms':>10} {'fitted/measured':>16}")
+    table, rows, errors = fit(measured["config"], measured["prefill"], measured["decode"], measured["mixed"],
+                              args.step_model)
+    print(f"\n{'point':<32} {'measured ms':>12} {'roofline ms':>12} {'additive ms':>12}")
     for row in rows:
-        name = (f"prefill {row['tokens']}" if row["kind"] == "prefill"
-                else f"decode {row['batch']} x {row['context']}")
-        print(f"{name:<28} {row['measured_s'] * 1e3:12.2f} {row['fitted_s'] * 1e3:10.2f} {row['ratio']:16.2f}")
-    print(f"\nfitted: {table['gpu_flops'] / 1e9:.1f} GFLOP/s, a = {table['a']:.2f}, "
-          f"{table['hbm_bytes_per_s'] / 1e9:.1f} GB/s, decode overhead {table['decode_overhead_s'] * 1e3:.2f} ms")
+        name = {"prefill": lambda r: f"prefill {r['tokens']}", "decode": lambda r: f"decode {r['batch']} x {r['context']}",
+                "mixed": lambda r: f"mixed {r['batch']} x {r['context']} + {r['chunk']}"}[row["kind"]](row)
+        print(f"{name:<32} {row['measured_s'] * 1e3:12.2f} {row['fitted_s']['roofline'] * 1e3:12.2f} "
+              f"{row['fitted_s']['additive'] * 1e3:12.2f}")
+    print("RMS relative error: " + ", ".join(f"{k} {v:.3f}" for k, v in errors.items())
+          + f"; written: {table['step_model']}")
+    print(f"fitted: {table['gpu_flops'] / 1e9:.1f} GFLOP/s, a = {table['a']:.2f}, "
+          f"{table['hbm_bytes_per_s'] / 1e9:.1f} GB/s, decode overhead {table['decode_overhead_s'] * 1e3:.2f} ms, "
+          f"{table.get('decode_row_s', 0.0) * 1e3:.2f} ms per row")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    others = table.pop("other_fits")
     lines = [f"# scripts/profile_engine.py --model {args.model} on core {args.core} of {os.uname().nodename}",
              "[cost]"] + [f"{k} = {v!r}" for k, v in table.items()]
+    for name, other in others.items():  # NOTE: not the simulator's: bench_goodput --real compares it
+        lines += ["", f"[other_fits.{name}]"] + [f"{k} = {v!r}" for k, v in other.items()]
     args.out.write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps({"model": args.model, "cost": table, "points": rows}, indent=2))
+    args.out.with_suffix(".json").write_text(json.dumps({"model": args.model, "cost": table, "other_fits": others,
+                                                         "errors": errors,
+                                                         "points": rows}, indent=2))
     print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
 
 

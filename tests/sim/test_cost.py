@@ -49,6 +49,12 @@ def test_coefficients_seed_the_conductor_models_exactly():
     for n, r in [(512, 0), (12000, 3072), (100000, 99000)]:
         assert prefill.predict(n, r) == pytest.approx(COST.prefill_s(n, r))
     assert decode.predict(16, 200000) == pytest.approx(COST.decode_step_s(16, 200000))
+    per_row = CostModel(decode_row_s=0.002)  # a core's per-row work: the conductor's per-sequence term
+    decode = DecodeStepModel(*per_row.decode_coefficients())
+    for batch in (1, 16):
+        assert per_row.decode_step_s(batch, 200000) == pytest.approx(COST.decode_step_s(batch, 200000) + 0.002 * batch)
+        assert decode.predict(batch, 200000) == pytest.approx(per_row.decode_step_s(batch, 200000))
+        assert per_row.step_s((), batch, 200000) == pytest.approx(COST.step_s((), batch, 200000) + 0.002 * batch)
 
 
 def test_a_pipeline_of_one_stage_sums_its_chunks_and_more_stages_divide_a_long_prompt():

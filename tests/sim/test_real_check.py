@@ -23,12 +23,34 @@ def test_the_fit_recovers_the_cost_model_that_made_the_times():
                       decode_efficiency=1.0, decode_overhead_s=0.004)
     prefill = [(n, truth.prefill_s(n)) for n in (128, 512, 1024, 2048, 4096)]
     decode = [(b, c, truth.step_s([], b, b * c)) for b in (1, 4, 16) for c in (256, 2048)]
-    table, rows = fit(SMOLLM2, prefill, decode)
+    mixed = [(b, 256, 512, truth.step_s([(512, 0)], b, b * 256)) for b in (1, 4, 16)]
+    table, rows, errors = fit(SMOLLM2, prefill, decode, mixed)
+    assert table["step_model"] == "roofline" and errors["roofline"] < 0.03 < errors["additive"]
     assert table["gpu_flops"] == pytest.approx(40e9, rel=1e-6) and table["a"] == pytest.approx(6.0, rel=1e-6)
     assert table["hbm_bytes_per_s"] == pytest.approx(12e9, rel=0.05)
     assert table["decode_overhead_s"] == pytest.approx(0.004, rel=0.1)
-    assert all(row["ratio"] == pytest.approx(1.0, abs=0.03) for row in rows), rows
+    assert all(row["fitted_s"]["roofline"] / row["measured_s"] == pytest.approx(1.0, abs=0.03) for row in rows), rows
     assert shape_of(SMOLLM2)["weight_bytes"] == pytest.approx(4 * 134.5e6, rel=0.01)  # SmolLM2-135M in float32
+
+
+def test_on_a_core_whose_steps_add_up_the_additive_fit_recovers_them_and_is_chosen():
+    """A CPU core does not overlap a prefill chunk's compute with a decode batch's reads, and pays per row:
+    times made by the additive model with a per-row cost are fitted back exactly, mixed steps included, and
+    that model is chosen over the roofline (which would price a mixed step at the larger part alone)."""
+    truth = CostModel(**shape_of(SMOLLM2), a=6.0, gpu_flops=40e9, mfu=1.0, hbm_bytes_per_s=12e9,
+                      decode_efficiency=1.0, decode_overhead_s=0.004, decode_row_s=0.003, step_model="additive")
+    prefill = [(n, truth.prefill_s(n)) for n in (128, 512, 1024, 2048, 4096)]
+    decode = [(b, c, truth.step_s([], b, b * c)) for b in (1, 4, 16) for c in (256, 1024, 2048)]
+    mixed = [(b, 256, 512, truth.step_s([(512, 0)], b, b * 256)) for b in (1, 4, 16)]
+    table, rows, errors = fit(SMOLLM2, prefill, decode, mixed)
+    assert table["step_model"] == "additive" and errors["additive"] < 1e-6 < errors["roofline"]
+    assert table["decode_row_s"] == pytest.approx(0.003, rel=1e-6)
+    assert table["hbm_bytes_per_s"] == pytest.approx(12e9, rel=1e-6)
+    assert table["decode_overhead_s"] == pytest.approx(0.004, rel=1e-6)
+    fitted = CostModel(**{k: v for k, v in table.items() if k != "other_fits"})
+    assert fitted.decode_coefficients() == pytest.approx(truth.decode_coefficients(), rel=1e-6)
+    assert table["other_fits"]["roofline"]["step_model"] == "roofline"
+    assert fit(SMOLLM2, prefill, decode, mixed, "roofline")[0]["step_model"] == "roofline"  # as asked
 
 
 def test_the_simulator_charges_a_fitted_cost_table_and_names_what_is_wrong_in_it(tmp_path):
