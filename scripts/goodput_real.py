@@ -16,6 +16,7 @@ SLOs are the paper's (TTFT 30 s; TBT 0.1 / 0.2 / 0.3 s) as the same multiple of 
 this core as on the paper's testbed (`slo_scale`): TTFT's by the median prompt's prefill (scaled here, the
 trace's there), TBT's by a decode step of one request at that context. Figures keep the paper's labels."""
 
+import ast
 import asyncio
 import dataclasses
 import json
@@ -54,6 +55,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--real-requests", type=int, default=60, help="--real: the trace's first N requests")
     parser.add_argument("--real-max-tokens", type=int, default=128, help="--real: max_tokens of every request")
     parser.add_argument("--scale", type=float, default=BLOCK / 512, help="--real: prompt length x this")
+    parser.add_argument("--replay-live", type=Path, metavar="JSON",
+                        help="--real: take the live runs (and their SLOs) from this earlier --real JSON, of the same "
+                             "requests and rates, instead of running them: the simulator, with --profile's fits, "
+                             "against a recorded cluster")
 
 
 def scaled(trace: list[TraceRequest], scale: float, context: int, cap: int) -> list[TraceRequest]:
@@ -159,10 +164,12 @@ def run(args, whole: list[TraceRequest]) -> None:
     args.kv_tokens = int((1 << 30) / cost.kv_bytes_per_token)  # engine.kv_cache_bytes, the default 1 GiB
     trace = scaled(whole[:args.real_requests], args.scale, 8192, args.real_max_tokens)
     args.slo_scale = slo_scale(cost, trace, whole[:args.real_requests])
-    results = {"live": {"mooncake": {}, "colocated": {}}, "sim": {"mooncake": {}, "colocated": {}}}
+    recorded = _recorded(args) if args.replay_live else None
+    results = {"live": {"mooncake": {}, "colocated": {}}, "sim": {"mooncake": {}, "colocated": {}},
+               "slo_scale": args.slo_scale}
     for rate in args.rates:
         for mode in args.modes:
-            got = live(mode, trace, args, rate, cost)
+            got = recorded[mode][f"{rate:g}"] if recorded else live(mode, trace, args, rate, cost)
             results["live"][mode][f"{rate:g}"] = got
             # NOTE: the simulator gets the answer lengths this live run wrote (the same greedy answers each time)
             answered = [dataclasses.replace(r, output_length=max(1, n)) for r, n in zip(trace, got["tokens"])]
@@ -192,6 +199,25 @@ def run(args, whole: list[TraceRequest]) -> None:
     out.write_text(json.dumps({"real": results, "cost": dataclasses.asdict(cost),
                                "args": {k: str(v) for k, v in vars(args).items()}}, indent=2))
     print(f"wrote {out}")
+
+
+def _recorded(args) -> dict:
+    """The live runs of --replay-live's JSON, whose SLO scale replaces this run's (its goodput was counted
+    under it); a rate or system it lacks, or another number of requests, is an error naming it."""
+    where = args.replay_live
+    try:
+        real = json.loads(where.read_text())["real"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise SystemExit(f"--replay-live {where}: not a --real JSON ({exc})") from None
+    for mode in args.modes:
+        for rate in args.rates:
+            got = real["live"].get(mode, {}).get(f"{rate:g}")
+            if got is None or len(got["tokens"]) != args.real_requests:
+                raise SystemExit(f"--replay-live {where}: no live run of {mode} at rate {rate:g} with "
+                                 f"{args.real_requests} requests")
+    # NOTE: older files keep it only among their arguments, as text
+    args.slo_scale = tuple(real.get("slo_scale") or ast.literal_eval(json.loads(where.read_text())["args"]["slo_scale"]))
+    return real["live"]
 
 
 def report(results: dict, trace, args) -> None:

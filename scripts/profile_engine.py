@@ -157,6 +157,18 @@ def measure(args) -> dict:
     return {"config": engine.model.config, "prefill": prefill, "decode": decode, "mixed": mixed}
 
 
+def recorded(path: Path, model: str) -> dict:
+    """An earlier profile's points (its JSON), as `measure` gives them, with its model's config."""
+    from mooncake.models.resolve import resolve_model
+
+    data = json.loads(path.read_text())
+    points = data["points"]
+    return {"config": data.get("config") or resolve_model(data.get("model", model)).config,
+            "prefill": [(p["tokens"], p["measured_s"]) for p in points if p["kind"] == "prefill"],
+            "decode": [(p["batch"], p["context"], p["measured_s"]) for p in points if p["kind"] == "decode"],
+            "mixed": [(p["batch"], p["context"], p["chunk"], p["measured_s"]) for p in points if p["kind"] == "mixed"]}
+
+
 def fit(config: dict, prefill, decode, mixed=(), step_model: str | None = None) -> tuple[dict, list[dict], dict]:
     """The [cost] table fitted to the measured points under `step_model` (None: the one with the smaller
     error over every point, the mixed steps included), the other model's fit under its `other_fits`; every
@@ -195,10 +207,15 @@ def main() -> None:
                         help="the decode fit written (default: the one with the smaller error over every point)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/profile-smollm2.toml"),
                         help="the [cost] table (JSON of every point beside it)")
+    parser.add_argument("--refit", type=Path, metavar="JSON",
+                        help="fit an earlier profile's points (its JSON) again instead of measuring")
     args = parser.parse_args()
     offline_hub()
-    os.sched_setaffinity(0, {args.core})
-    measured = measure(args)
+    if args.refit:
+        measured = recorded(args.refit, args.model)
+    else:
+        os.sched_setaffinity(0, {args.core})
+        measured = measure(args)
     table, rows, errors = fit(measured["config"], measured["prefill"], measured["decode"], measured["mixed"],
                               args.step_model)
     print(f"\n{'point':<32} {'measured ms':>12} {'roofline ms':>12} {'additive ms':>12}")
@@ -210,8 +227,9 @@ def main() -> None:
     print("RMS relative error: " + ", ".join(f"{k} {v:.3f}" for k, v in errors.items())
           + f"; written: {table['step_model']}")
     print(f"fitted: {table['gpu_flops'] / 1e9:.1f} GFLOP/s, a = {table['a']:.2f}, "
-          f"{table['hbm_bytes_per_s'] / 1e9:.1f} GB/s, decode overhead {table['decode_overhead_s'] * 1e3:.2f} ms, "
-          f"{table.get('decode_row_s', 0.0) * 1e3:.2f} ms per row")
+          f"decode {table['decode_overhead_s'] * 1e3:.2f} ms overhead + weights {table['weight_bytes'] / 1e6:.0f} MB "
+          f"at {table['hbm_bytes_per_s'] / 1e9:.3g} GB/s + {table.get('decode_row_s', 0.0) * 1e3:.2f} ms per row + "
+          f"{table['kv_bytes_per_token'] / table['hbm_bytes_per_s'] * 1e6:.3g} us per context token")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     others = table.pop("other_fits")
     lines = [f"# scripts/profile_engine.py --model {args.model} on core {args.core} of {os.uname().nodename}",
@@ -219,8 +237,8 @@ def main() -> None:
     for name, other in others.items():  # NOTE: not the simulator's: bench_goodput --real compares it
         lines += ["", f"[other_fits.{name}]"] + [f"{k} = {v!r}" for k, v in other.items()]
     args.out.write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps({"model": args.model, "cost": table, "other_fits": others,
-                                                         "errors": errors,
+    args.out.with_suffix(".json").write_text(json.dumps({"model": args.model, "config": measured["config"],
+                                                         "cost": table, "other_fits": others, "errors": errors,
                                                          "points": rows}, indent=2))
     print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
 

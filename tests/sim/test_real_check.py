@@ -3,6 +3,7 @@ model from the times it would produce, the simulator runs on a fitted [cost] tab
 which key is wrong, and the trace slice is scaled to the model's context with its prefixes kept shared."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -12,7 +13,7 @@ from mooncake.errors import ConfigError, ModelError
 from mooncake.sim.run import sim_cost, simulate_requests
 from mooncake.sim.trace import TraceRequest
 from scripts.goodput_real import BLOCK, scaled
-from scripts.profile_engine import fit, shape_of
+from scripts.profile_engine import fit, recorded, shape_of
 
 SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536, "num_attention_heads": 9,
            "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
@@ -51,6 +52,22 @@ def test_on_a_core_whose_steps_add_up_the_additive_fit_recovers_them_and_is_chos
     assert fitted.decode_coefficients() == pytest.approx(truth.decode_coefficients(), rel=1e-6)
     assert table["other_fits"]["roofline"]["step_model"] == "roofline"
     assert fit(SMOLLM2, prefill, decode, mixed, "roofline")[0]["step_model"] == "roofline"  # as asked
+
+
+def test_a_profiles_points_are_fitted_again_from_its_json(tmp_path):
+    """--refit: the points a profile wrote give the table its measurement gave."""
+    truth = CostModel(**shape_of(SMOLLM2), a=6.0, gpu_flops=40e9, mfu=1.0, hbm_bytes_per_s=12e9,
+                      decode_efficiency=1.0, decode_overhead_s=0.004, decode_row_s=0.003, step_model="additive")
+    measured = {"config": SMOLLM2, "prefill": [(n, truth.prefill_s(n)) for n in (128, 1024, 4096)],
+                "decode": [(b, c, truth.step_s([], b, b * c) * (1.1 if b == 4 else 1.0)) for b in (1, 4, 16)
+                           for c in (256, 2048)],
+                "mixed": [(4, 256, 512, truth.step_s([(512, 0)], 4, 1024))]}
+    table, rows, errors = fit(measured["config"], measured["prefill"], measured["decode"], measured["mixed"])
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"model": "smollm2-135m-instruct", "config": SMOLLM2, "points": rows}))
+    again = recorded(path, "unused")
+    assert again == {k: [tuple(p) for p in v] if k != "config" else v for k, v in measured.items()}
+    assert fit(again["config"], again["prefill"], again["decode"], again["mixed"]) == (table, rows, errors)
 
 
 def test_the_simulator_charges_a_fitted_cost_table_and_names_what_is_wrong_in_it(tmp_path):
