@@ -155,7 +155,11 @@ def run(args, whole: list[TraceRequest]) -> None:
     ensure_profile(args.profile)
     profile = tomllib.loads(args.profile.read_text())
     cost = CostModel.from_dict(profile["cost"], str(args.profile))
-    args.cost = args.cost or cost.step_model  # NOTE: the simulator charges steps as the profile's fit chose
+    if args.cost and args.cost != cost.step_model:
+        raise SystemExit(f"--cost {args.cost}: with --real each fit is simulated under the step model it was fitted "
+                         f"for ({args.profile} holds a {cost.step_model} fit; profile_engine.py --step-model "
+                         f"picks one)")
+    args.cost = cost.step_model
     # the profile's fit under the other step model: the simulator replays each live run with it too
     others = {}
     for name, table in profile.get("other_fits", {}).items():
@@ -182,7 +186,8 @@ def run(args, whole: list[TraceRequest]) -> None:
                     name, {"mooncake": {}, "colocated": {}})
                 side[mode][f"{rate:g}"] = sim
             print(f"rate {rate:g} {mode}: live good@0.1/0.2/0.3 "
-                  + " / ".join(f"{v:.2f}" for v in got["goodput"].values()) + f", TTFT mean {got['ttft_mean_s']:.2f} s; "
+                  + " / ".join(f"{v:.2f}" for v in got["goodput"].values())
+                  + f", TTFT mean {got['ttft_mean_s']:.2f} s; "
                   + "; ".join(f"sim ({name} fit) " + " / ".join(f"{v:.2f}" for v in sim["goodput"].values())
                               + f", TTFT mean {sim['ttft_mean_s']:.2f} s" for name, sim in sims.items())
                   + f"; CPU {got['cpu']}", flush=True)
@@ -216,7 +221,8 @@ def _recorded(args) -> dict:
                 raise SystemExit(f"--replay-live {where}: no live run of {mode} at rate {rate:g} with "
                                  f"{args.real_requests} requests")
     # NOTE: older files keep it only among their arguments, as text
-    args.slo_scale = tuple(real.get("slo_scale") or ast.literal_eval(json.loads(where.read_text())["args"]["slo_scale"]))
+    args.slo_scale = tuple(real.get("slo_scale")
+                           or ast.literal_eval(json.loads(where.read_text())["args"]["slo_scale"]))
     return real["live"]
 
 

@@ -81,20 +81,20 @@ def fit_decode(shape: dict, flops: float, a: float, points: list[tuple[int, int,
 
 def fit_decode_linear(shape: dict, points: list[tuple[int, int, float]]) -> dict:
     """The additive model's decode fields: t = A + B*batch + C*(batch*context) by least squares in relative
-    error, each coefficient at least 0 (one that comes out negative is fixed at 0 and the rest refitted)."""
+    error, each coefficient at least 0 (the best fit over every subset of them, the others at 0)."""
     import numpy as np
 
     rows = np.array([[1.0, b, b * c] for b, c, _ in points])
     times = np.array([t for _, _, t in points])
-    free = [0, 1, 2]
-    while True:
+    weighted = rows / times[:, None]  # relative error: every row over its measured time
+    best = None
+    for free in ([0, 1, 2], [0, 1], [0, 2], [1, 2], [0], [1], [2]):  # NOTE: exact non-negative least squares
         coef = np.zeros(3)
-        weighted = rows[:, free] / times[:, None]  # relative error: every row over its measured time
-        coef[free] = np.linalg.lstsq(weighted, np.ones(len(points)), rcond=None)[0]
-        if (coef >= 0).all():
-            break
-        free.remove(int(np.argmin(np.where(np.isin(range(3), free), coef, np.inf))))
-    intercept, per_row, per_kv_token = (float(c) for c in coef)
+        coef[free] = np.linalg.lstsq(weighted[:, free], np.ones(len(points)), rcond=None)[0]
+        error = float(np.sum((weighted @ coef - 1) ** 2))
+        if (coef >= 0).all() and (best is None or error < best[0]):
+            best = (error, coef)
+    intercept, per_row, per_kv_token = (float(c) for c in best[1])
     bandwidth = shape["kv_bytes_per_token"] / per_kv_token if per_kv_token > 0 else 1e18
     # NOTE: the cost model reads the weights at the KV's rate too; the overhead is what that leaves of the
     # intercept, negative where a core reads its weights faster per byte than it attends over the KV (the
@@ -127,12 +127,19 @@ def measure(args) -> dict:
     decode, mixed = [], []
     for batch in args.batches:
         for context in args.contexts:
-            params = SamplingParams(max_tokens=args.steps + 2, ignore_eos=True)
+            # NOTE: rows decode while later prompts prefill: room for those steps, the timed ones and the mixed
+            params = SamplingParams(max_tokens=args.steps + args.repeats + 8 + batch * context // args.chunk + batch,
+                                    ignore_eos=True)
             ids = [engine.add_request(prompt(context, 100 + i), params) for i in range(batch)]
             while any(len(engine.seqs[i].output_token_ids) == 0 for i in ids):  # every prompt prefilled
                 engine.step()
+
+            def all_running():  # a row that finished would make the step a smaller batch than its label
+                if any(engine.seqs[i].is_finished for i in ids):
+                    raise RuntimeError(f"decode batch {batch} x {context}: a row finished before its steps were timed")
             times = []
             for _ in range(args.steps):
+                all_running()
                 started = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - started)
@@ -143,6 +150,7 @@ def measure(args) -> dict:
                 times = []
                 for r in range(args.repeats):
                     joined = engine.add_request(prompt(args.chunk, 200 + r), SamplingParams(max_tokens=1))
+                    all_running()
                     started = time.perf_counter()
                     engine.step()
                     times.append(time.perf_counter() - started)
@@ -181,8 +189,8 @@ def fit(config: dict, prefill, decode, mixed=(), step_model: str | None = None) 
     tables = {"roofline": {**base, **fit_decode(shape, flops, a, decode), "step_model": "roofline"},
               "additive": {**base, **fit_decode_linear(shape, decode), "step_model": "additive"}}
     models = {name: CostModel(**table) for name, table in tables.items()}
-    rows = [{"kind": "prefill", "tokens": n, "measured_s": t, "fitted_s": {k: m.prefill_s(n) for k, m in models.items()}}
-            for n, t in prefill]
+    rows = [{"kind": "prefill", "tokens": n, "measured_s": t,
+             "fitted_s": {k: m.prefill_s(n) for k, m in models.items()}} for n, t in prefill]
     rows += [{"kind": "decode", "batch": b, "context": c, "measured_s": t,
               "fitted_s": {k: m.step_s([], b, b * c) for k, m in models.items()}} for b, c, t in decode]
     rows += [{"kind": "mixed", "batch": b, "context": c, "chunk": n, "measured_s": t,
@@ -220,7 +228,8 @@ def main() -> None:
                               args.step_model)
     print(f"\n{'point':<32} {'measured ms':>12} {'roofline ms':>12} {'additive ms':>12}")
     for row in rows:
-        name = {"prefill": lambda r: f"prefill {r['tokens']}", "decode": lambda r: f"decode {r['batch']} x {r['context']}",
+        name = {"prefill": lambda r: f"prefill {r['tokens']}",
+                "decode": lambda r: f"decode {r['batch']} x {r['context']}",
                 "mixed": lambda r: f"mixed {r['batch']} x {r['context']} + {r['chunk']}"}[row["kind"]](row)
         print(f"{name:<32} {row['measured_s'] * 1e3:12.2f} {row['fitted_s']['roofline'] * 1e3:12.2f} "
               f"{row['fitted_s']['additive'] * 1e3:12.2f}")

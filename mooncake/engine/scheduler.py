@@ -102,6 +102,11 @@ class Scheduler:
     def drop_stage_chunks(self, stage, request_id: str, why: str) -> None:
         """`stage`'s queued chunks of `request_id` fail (InvalidRequestError `why`) and leave the queue."""
         for chunk in [c for c in self.stage_chunks if c.stage is stage and c.request_id == request_id]:
+            self.drop_stage_chunk(chunk, why)
+
+    def drop_stage_chunk(self, chunk, why: str) -> None:
+        """`chunk`, if still queued, fails (InvalidRequestError `why`) and leaves the queue."""
+        if chunk in self.stage_chunks:
             chunk.error = chunk.error or InvalidRequestError(why)
             self.on_stage_computed(chunk)
 

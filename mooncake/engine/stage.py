@@ -164,6 +164,7 @@ class PipelineStage:
             now = time.perf_counter()
             share = len(self.layers) / runner.kv_spec.num_layers
             job.modelled_end = max(now, started + runner.modelled.step_seconds(batch, share))
+            self.engine.modelled_end = job.modelled_end  # NOTE: the device is its engine's: the next chunk waits
             if job.modelled_end > now:
                 time.sleep(job.modelled_end - now)
         return out
@@ -185,19 +186,19 @@ class PipelineStage:
     def step(self, chunk: StageChunk, max_tokens: int, since: float | None = None) -> None:
         """One engine step of `chunk` (its turn, `Scheduler.stage_turn`): at most `max_tokens` more of it
         through `run`, its first part from its own `since` when it has one, a later part from the step's."""
-        n = min(chunk.num_tokens - chunk.done, max_tokens)
-        hidden = None if chunk.hidden is None else chunk.hidden[chunk.done:chunk.done + n]
         try:
+            n = min(chunk.num_tokens - chunk.done, max_tokens)
+            hidden = None if chunk.hidden is None else chunk.hidden[chunk.done:chunk.done + n]
             out = self.run(chunk.request_id, n, hidden, chunk.since if chunk.done == 0 and chunk.since is not None
                            else since)
+            if chunk.done + n == chunk.num_tokens:  # the last stage's logits are its last part's (its last token's)
+                chunk.result = out if self.last or not chunk.parts else torch.cat(chunk.parts + [out])
+                chunk.parts = []
+            else:
+                chunk.parts.append(out)
+            chunk.done += n
         except Exception as exc:  # noqa: BLE001  the chunk's caller gets it; the engine steps on
             chunk.error = exc
-            return
-        chunk.done += n
-        chunk.parts.append(out)
-        if chunk.done == chunk.num_tokens:  # the last stage's logits are its last part's (its last token's)
-            chunk.result = out if self.last or len(chunk.parts) == 1 else torch.cat(chunk.parts)
-            chunk.parts = []
 
     def modelled_end(self, request_id: str) -> float | None:
         """When the request's last chunk here ended on an emulated device (see `run`); None when no chunk

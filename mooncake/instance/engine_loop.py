@@ -388,11 +388,11 @@ class EngineLoop:
         queue between two steps (what of it was computed stays computed)."""
         chunk = StageChunk(stage, request_id, num_tokens, hidden, since,
                            waiter=asyncio.get_running_loop().create_future())
-        await self.call(stage.submit, chunk)
         try:
+            await self.call(stage.submit, chunk)
             return await chunk.waiter
-        except asyncio.CancelledError:
-            self._queue(self.engine.scheduler.drop_stage_chunks, stage, request_id, "cancelled")
+        except asyncio.CancelledError:  # NOTE: queued or not (the submit may have run): it leaves the queue
+            self._queue(self.engine.scheduler.drop_stage_chunk, chunk, "cancelled")
             raise
 
     def reusable_blocks(self, num_tokens: int) -> int:

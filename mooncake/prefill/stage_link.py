@@ -137,7 +137,11 @@ async def run_stage(stage: Stage, index: int, request_id: str, chunk_sizes: list
                 # NOTE: checked off the event loop, kept on the host: `stage.run` moves it to the device
                 hidden = await asyncio.to_thread(decode_hidden, data)
             # NOTE: a chunk that was here before the last one ended starts at that one's modelled end
-            out = await compute(stage, request_id, size, hidden, None if waiting else previous_end)
+            try:  # NOTE: the chunk may wait for its turn in the engine's steps, within the deadline too
+                since = None if waiting else previous_end
+                out = await asyncio.wait_for(compute(stage, request_id, size, hidden, since), time_left(deadline, what))
+            except asyncio.TimeoutError:
+                raise TransferError(f"{what}: not computed by the deadline (the engine's steps were busy)") from None
             if (end := stage.modelled_end(request_id)) is not None:
                 previous_end = min(time.perf_counter(), end)
             if on_chunk is not None:

@@ -28,8 +28,9 @@ class SimConfig:
     decode_efficiency: float = 0.6  # share of HBM bandwidth a decode step achieves
     decode_overhead_s: float = 0.012  # per decode step: kernel launches, TP all-reduces, sampling
     # How a step that mixes prefill and decode work is charged (mooncake/cost.py): "roofline" (the larger of
-    # its compute and its memory time, plus the overhead) or "additive" (prefill and decode summed).
-    step_model: str = "roofline"
+    # its compute and its memory time, plus the overhead) or "additive" (prefill and decode summed). "": the
+    # cost_file's own step_model (the one scripts/profile_engine.py's fit chose), else roofline.
+    step_model: str = ""
     # What each request asks as max_tokens. 0: the trace's output_length, which it then writes to the end
     # (a replay's `ignore_eos` oracle: the conductor knows every length). > 0: this cap; each request writes
     # the emulated model's answer to its prompt (mooncake/answer_lengths.py), which nobody is told.
@@ -49,5 +50,6 @@ class SimConfig:
         _check(0 < self.mfu <= 1, "sim.mfu", "must be in (0, 1]")
         _check(0 < self.decode_efficiency <= 1, "sim.decode_efficiency", "must be in (0, 1]")
         _check(self.decode_overhead_s >= 0, "sim.decode_overhead_s", "must be >= 0")
-        _check(self.step_model in STEP_MODELS, "sim.step_model", f"must be one of {', '.join(STEP_MODELS)}")
+        _check(self.step_model in ("",) + STEP_MODELS, "sim.step_model",
+               f"must be one of {', '.join(STEP_MODELS)}, or empty (the cost file's, else roofline)")
         _check(self.max_tokens >= 0, "sim.max_tokens", "must be >= 0 (0: the trace's output lengths)")

@@ -49,13 +49,14 @@ def sim_cost(sim: SimConfig) -> CostModel:
     table of `sim.cost_file`."""
     if not sim.cost_file:
         return CostModel(mfu=sim.mfu, decode_efficiency=sim.decode_efficiency, decode_overhead_s=sim.decode_overhead_s,
-                         step_model=sim.step_model)
+                         step_model=sim.step_model or "roofline")
     try:
         table = tomllib.loads(Path(sim.cost_file).read_text())["cost"]
     except (OSError, tomllib.TOMLDecodeError, KeyError) as exc:
         raise ConfigError(f"config key 'sim.cost_file': cannot read a [cost] table from {sim.cost_file}: "
                           f"{getattr(exc, 'strerror', None) or exc}") from None
-    return CostModel.from_dict({**table, "step_model": sim.step_model}, sim.cost_file)
+    return CostModel.from_dict({**table, "step_model": sim.step_model or table.get("step_model", "roofline")},
+                               sim.cost_file)
 
 
 def _progress(end_s: float):

@@ -232,6 +232,8 @@ def test_a_chunk_through_the_engines_scheduler_gives_what_run_gives_in_budget_si
             steps += 1
         assert steps == 3 and stage.engine.scheduler.drain_stage_chunks() == [chunk]  # 16 + 16 + 8 tokens
         assert chunk.error is None and stage.jobs["r1"].done == 40
+        # an emulated device is its engine's: the engine's next work starts after the chunk's modelled end
+        assert stage.engine.modelled_end == (stage.jobs["r1"].modelled_end if stage.engine.runner.modelled else 0.0)
         results.append(chunk.result)
     torch.testing.assert_close(results[0], hidden, atol=1e-4, rtol=1e-4)
     assert results[1].shape == (1, single.runner.vocab_size)
@@ -254,3 +256,23 @@ def test_a_stage_refuses_a_chunk_it_cannot_run_and_fails_those_queued_when_its_r
     (failed,) = engine.scheduler.drain_stage_chunks()
     assert isinstance(failed.error, InvalidRequestError) and "left the stage" in str(failed.error)
     assert not engine.has_unfinished() and engine.block_pool.num_free == cfg.num_kv_blocks
+
+
+def test_a_chunk_that_fails_fails_alone_and_the_engine_steps_on(cfg, single, monkeypatch):
+    engine = LLMEngine(cfg)
+    stage = PipelineStage(engine, range(0, 1))
+    stage.begin("r1", prompt(single, 20))
+    engine.add_request(prompt(single, 20), SamplingParams(max_tokens=2), "other")
+
+    def lost(*_args):
+        raise RuntimeError("the stage lost its device")
+    monkeypatch.setattr(stage, "run", lost)
+    chunk = StageChunk(stage, "r1", 20, None)
+    stage.submit(chunk)
+    outputs = []
+    for _ in range(10):
+        outputs += engine.step()
+    (failed,) = engine.scheduler.drain_stage_chunks()
+    assert failed is chunk and "lost its device" in str(chunk.error) and chunk.result is None
+    assert not engine.scheduler.stage_chunks and stage.jobs["r1"].done == 0
+    assert [o.finished for o in outputs if o.request_id == "other"][-1]  # the engine's own request went on

@@ -177,3 +177,25 @@ def test_a_chunk_nobody_takes_expires():
             await inbox.take(chunk_key("gone", 1, 0), 0.05, "gone")
         assert await inbox.take(chunk_key("next", 1, 0), 1, "next") == data
     asyncio.run(go())
+
+
+def test_a_chunk_the_engine_does_not_compute_in_time_fails_by_the_deadline(cfg):
+    """A chunk waits for its turn in the engine's steps within the stage's deadline too."""
+    stage = PipelineStage(LLMEngine(cfg), range(0, 1))
+    stage.begin("r8", [1, 2, 3, 4, 5])
+    cancelled = []
+
+    async def never(*_args):
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(True)  # the chunk leaves the engine's queue (EngineLoop.run_stage_chunk)
+            raise
+
+    async def go():
+        return await run_stage(stage, 0, "r8", [5], never, None, None, None, time.monotonic() + 0.3)
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="request r8 stage 0 chunk 0: not computed by the deadline"):
+        asyncio.run(go())
+    assert time.monotonic() - started < 5 and cancelled == [True]
+    stage.end("r8")

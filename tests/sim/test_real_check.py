@@ -97,3 +97,14 @@ def test_the_real_replay_scales_each_prompt_into_the_context_and_keeps_its_prefi
     assert long.input_length == 8192 - 128 and long.hash_ids == tuple(range(-(-long.input_length // BLOCK)))
     assert dataclasses.replace(short, input_length=0, hash_ids=()) == dataclasses.replace(
         trace[0], input_length=0, hash_ids=())  # times and output lengths untouched
+
+
+def test_the_simulator_charges_steps_as_the_cost_file_says_unless_told_otherwise(tmp_path):
+    path = tmp_path / "cost.toml"
+    path.write_text("[cost]\nlayers = 30\nd_model = 576\ndecode_row_s = 0.002\nstep_model = 'additive'\n")
+    assert sim_cost(load_config(None, {"sim.cost_file": str(path)}).sim).step_model == "additive"
+    told = load_config(None, {"sim.cost_file": str(path), "sim.step_model": "roofline"}).sim
+    assert sim_cost(told).step_model == "roofline" and sim_cost(told).decode_row_s == 0.002
+    assert sim_cost(load_config(None, {}).sim).step_model == "roofline"  # the testbed's default
+    with pytest.raises(ConfigError, match="sim.step_model"):
+        load_config(None, {"sim.step_model": "sum"})
