@@ -105,10 +105,12 @@ def fit_decode_linear(shape: dict, points: list[tuple[int, int, float]]) -> dict
 
 def measure(args) -> dict:
     from mooncake.engine import LLMEngine, SamplingParams
+    from mooncake.engine.sequence import SeqStatus
 
     engine = LLMEngine(EngineConfig(model=args.model, num_threads=1, prefill_chunk=args.chunk,
                                     max_num_batched_tokens=args.chunk + max(args.batches),
-                                    max_num_seqs=max(args.batches) + 1, enable_prefix_cache=False))
+                                    max_num_seqs=max(args.batches) + 1, enable_prefix_cache=False,
+                                    kv_cache_bytes=args.kv_cache_gib << 30))
     vocab = engine.model.config["vocab_size"]
 
     def prompt(n: int, salt: int) -> list[int]:
@@ -134,9 +136,10 @@ def measure(args) -> dict:
             while any(len(engine.seqs[i].output_token_ids) == 0 for i in ids):  # every prompt prefilled
                 engine.step()
 
-            def all_running():  # a row that finished would make the step a smaller batch than its label
-                if any(engine.seqs[i].is_finished for i in ids):
-                    raise RuntimeError(f"decode batch {batch} x {context}: a row finished before its steps were timed")
+            def all_running():  # a row finished or preempted would make the step a smaller batch than its label
+                if any(engine.seqs[i].status is not SeqStatus.RUNNING for i in ids):
+                    raise RuntimeError(f"decode batch {batch} x {context}: a row finished or was preempted (KV "
+                                       f"cache full: --kv-cache-gib) before its steps were timed")
             times = []
             for _ in range(args.steps):
                 all_running()
@@ -210,6 +213,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed per point")
+    parser.add_argument("--kv-cache-gib", type=int, default=4,
+                        help="engine.kv_cache_bytes in GiB: room for the largest batch x context, every row at once")
     parser.add_argument("--repeats", type=int, default=3, help="prefills (and mixed steps) timed per point")
     parser.add_argument("--step-model", choices=["roofline", "additive"],
                         help="the decode fit written (default: the one with the smaller error over every point)")
