@@ -14,6 +14,7 @@ from mooncake.cost import CostModel
 from mooncake.engine import LLMEngine, SamplingParams
 from mooncake.kv_mac import data_mac
 from mooncake.models.catalog import CATALOG
+from mooncake.sim.run import sim_cost
 
 NAME = "emulated-llama3-70b"
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -76,9 +77,7 @@ def test_under_the_roofline_a_step_costs_its_larger_bound_and_a_mixed_step_less_
 def test_its_cost_model_and_kv_capacity_are_the_simulators(cfg):
     spec = tomllib.loads(CATALOG[NAME].spec_path.read_text())
     sim = SimConfig()
-    assert CostModel.from_dict(spec["cost"], NAME) == CostModel(
-        mfu=sim.mfu, decode_efficiency=sim.decode_efficiency, decode_overhead_s=sim.decode_overhead_s,
-        step_model=sim.step_model)
+    assert CostModel.from_dict(spec["cost"], NAME) == sim_cost(sim)
     assert spec["config"]["kv_capacity_tokens"] == sim.decode_kv_tokens
     sized = LLMEngine(EngineConfig(model=cfg.model, block_size=64, kv_cache_bytes=1 << 20))  # bytes are ignored
     assert sized.block_pool.num_blocks == sim.decode_kv_tokens // 64
